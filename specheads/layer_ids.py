@@ -1,0 +1,42 @@
+"""The one place that does arithmetic on aux hidden-state layer ids.
+
+specheads, vLLM and speculators number aux layers by the Hugging Face
+``output_hidden_states`` index: 0 is the embedding output and i is the input
+of decoder layer i (= the output of layer i-1). SpecForge and ModelOpt number
+the same tensors by the decoder layer whose *output* they are, i.e. one less.
+"""
+
+from __future__ import annotations
+
+
+def default_eagle3_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3 default for a target with ``num_layers`` decoder layers, HF index."""
+    if num_layers < 4:
+        raise ValueError(f"EAGLE-3 needs a target with at least 4 decoder layers, got {num_layers}")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def hf_to_output_index(ids: list[int]) -> list[int]:
+    """HF hidden-state index -> SpecForge/ModelOpt 'output of layer' index."""
+    return [int(i) - 1 for i in ids]
+
+
+def output_to_hf_index(ids: list[int]) -> list[int]:
+    """SpecForge/ModelOpt 'output of layer' index -> HF hidden-state index."""
+    return [int(i) + 1 for i in ids]
+
+
+def check_layer_ids(ids: list[int], num_layers: int, *, where: str = "aux_layer_ids") -> list[int]:
+    """Valid HF indices are 0..num_layers (num_layers = the final-normed state)."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ValueError(f"{where}: at least one layer id is needed")
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"{where}: layer id(s) {bad} out of range for a target with {num_layers} decoder layers "
+            f"(valid Hugging Face hidden-state indices are 0..{num_layers})"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: duplicate layer ids {ids}")
+    return ids

