@@ -1,0 +1,67 @@
+"""Format detection, load-anything, and format conversion."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import eagle, mtp, sglang, speculators
+from .common import ExportError, read_json, read_side
+
+MODULES = {"speculators": speculators, "sglang": sglang, "eagle": eagle, "mtp": mtp}
+
+
+def detect_format(d) -> str:
+    d = Path(d)
+    if not d.is_dir():
+        raise ExportError(f"{d}: not a directory")
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ExportError(f"{d}: not a head directory (no config.json)")
+    c = read_json(cfg_path)
+    if "speculators_model_type" in c:
+        if c["speculators_model_type"] != "eagle3":
+            raise ExportError(f"{cfg_path}: speculators_model_type {c['speculators_model_type']!r} is not supported "
+                              "(only 'eagle3')")
+        return "speculators"
+    archs = c.get("architectures") or []
+    if any(a in sglang.ARCHS for a in archs):
+        return "sglang"
+    if c.get("num_nextn_predict_layers"):
+        return "mtp"
+    if any(a in eagle.ARCHS for a in archs):
+        side = read_side(d)
+        if side and side.get("format") not in (None, "eagle"):
+            raise ExportError(f"{d}: {side.get('format')} side file but an EAGLE-1 config")
+        if c.get("num_hidden_layers", 1) <= 2 and "fc.weight" in _names(d):
+            return "eagle"
+    raise ExportError(f"{cfg_path}: not a draft head (architectures {archs}; no speculators_model_type, "
+                      "no num_nextn_predict_layers)")
+
+
+def _names(d: Path) -> set[str]:
+    from .common import tensor_shapes_dtypes
+    try:
+        return set(tensor_shapes_dtypes(d))
+    except ExportError:
+        return set()
+
+
+def load_any(d, dtype: torch.dtype = torch.float32, **kw):
+    """-> (head, meta, format)."""
+    fmt = detect_format(d)
+    head, meta = MODULES[fmt].load(d, dtype=dtype, **kw)
+    return head, meta, fmt
+
+
+def convert(src, fmt: str, out, dtype: torch.dtype = torch.bfloat16, **save_kw) -> Path:
+    if fmt not in MODULES:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {sorted(MODULES)}")
+    head, meta, _ = load_any(src)
+    return MODULES[fmt].save(head, meta, out, dtype=dtype, **save_kw)
+
+
+def save(head, meta, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, **kw) -> Path:
+    if fmt not in MODULES:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {sorted(MODULES)}")
+    return MODULES[fmt].save(head, meta, out_dir, dtype=dtype, **kw)

@@ -1,0 +1,367 @@
+"""Re-read an export directory the way vLLM, SGLang and speculators would,
+and fail on anything they would misread or silently ignore.
+
+Reader rules encoded here (vLLM 0.32 ``llama_eagle3``/``llama_eagle`` +
+``speculators/algos.py``; SGLang ``llama_eagle3``/``llama_eagle`` +
+``model_runner``; speculators 0.9.0 ``Eagle3DraftModel``):
+
+- vLLM maps ``midlayer.`` -> ``layers.0.``, renames ``d2t`` ->
+  ``draft_id_to_target_id``, ignores ``t2d``, shares the target embedding
+  when ``embed_tokens.weight`` is absent, raises on an unknown name but keeps
+  random/zero defaults for a MISSING tensor; with a speculators config it
+  assumes ``norm_before_residual: true`` when absent.  Aux layer ids: the
+  top-level field first (HF index), else ``eagle_config`` (taken as HF index).
+- SGLang reads the ids only from ``eagle_config`` and adds 1 (output index),
+  has no ``norm_before_residual`` and silently skips every name it does not
+  know (missing and misnamed tensors both go unnoticed).
+- speculators 0.9.0 builds ``fc`` as ``3*hidden_size`` (3 aux layers, no
+  ``target_hidden_size``) and leaves a missing ``embed_tokens.weight`` at zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..heads import Eagle1Head, Eagle3Head, MTPHead
+from . import eagle as eagle_fmt
+from . import mtp as mtp_fmt
+from . import sglang as sglang_fmt
+from . import speculators as spec_fmt
+from .common import ExportError, hf_to_output_ids, output_to_hf_ids, read_json, tensor_shapes_dtypes
+from .convert import detect_format, load_any
+
+ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
+             "BOOL": torch.bool}
+FLOAT_OK = ("BF16", "F16", "F32")
+DEFAULT_READERS = {"speculators": ("vllm", "speculators"), "sglang": ("sglang", "vllm"),
+                   "eagle": ("vllm", "sglang"), "mtp": ("vllm", "sglang")}
+
+
+@dataclass
+class ValidationReport:
+    dir: str
+    format: str
+    readers: tuple
+    checked: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    max_output_diff: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def __str__(self) -> str:
+        lines = [f"{self.dir} [{self.format}] readers={list(self.readers)}: {'OK' if self.ok else 'FAILED'}"]
+        lines += [f"  error: {e}" for e in self.errors] + [f"  warning: {w}" for w in self.warnings]
+        if self.max_output_diff is not None:
+            lines.append(f"  max |output - reference| = {self.max_output_diff:.3g}")
+        return "\n".join(lines)
+
+
+def _expected(head_cls, cfg) -> dict[str, tuple]:
+    with torch.device("meta"):
+        h = head_cls(cfg)
+    return {k: tuple(v.shape) for k, v in h.state_dict().items()}
+
+
+def _compare_tensors(rep, where, found: dict, expected: dict, required: set, optional: set, reader_note: str,
+                     dtype=None):
+    for name, (shape, dt) in found.items():
+        if name not in expected:
+            rep.errors.append(f"{where}: unexpected tensor {name!r} ({reader_note})")
+            continue
+        if tuple(shape) != tuple(expected[name]):
+            rep.errors.append(f"{where}: tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected[name])}")
+    for name in sorted(required):
+        if name not in found:
+            rep.errors.append(f"{where}: missing tensor {name!r} (vLLM keeps its initial values silently; "
+                              "SGLang skips it)")
+    floats = {n: dt for n, (s, dt) in found.items() if n not in ("d2t", "t2d")}
+    kinds = set(floats.values())
+    bad = {n: dt for n, dt in floats.items() if dt not in FLOAT_OK}
+    for n, dt in bad.items():
+        rep.errors.append(f"{where}: tensor {n!r} has dtype {dt}, expected a float dtype (BF16/F16/F32)")
+    if len(kinds - set(bad.values())) > 1:
+        rep.errors.append(f"{where}: mixed float dtypes {sorted(kinds)}")
+    if dtype is not None:
+        want = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[dtype]
+        wrong = [n for n, dt in floats.items() if dt in FLOAT_OK and dt != want]
+        if wrong:
+            rep.errors.append(f"{where}: tensors {wrong[:3]} are {floats[wrong[0]]}, expected {want}")
+    if "d2t" in found and found["d2t"][1] != "I64":
+        rep.errors.append(f"{where}: tensor 'd2t' has dtype {found['d2t'][1]}, expected int64")
+    if "t2d" in found and found["t2d"][1] != "BOOL":
+        rep.errors.append(f"{where}: tensor 't2d' has dtype {found['t2d'][1]}, expected bool")
+    rep.checked.append("tensor names, shapes and dtypes")
+
+
+def _flags_explicit(rep, where, c, flags, defaults):
+    for f in flags:
+        if f not in c:
+            rep.errors.append(f"{where}: norm flag {f!r} is implicit (vLLM assumes {defaults[f]}); write it explicitly")
+        elif not isinstance(c[f], bool):
+            rep.errors.append(f"{where}: field {f!r} must be a bool, got {c[f]!r}")
+
+
+def _check_common_cfg(rep, where, c, target_vocab_size):
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "vocab_size", "max_position_embeddings", "num_hidden_layers"):
+        if key not in c:
+            rep.errors.append(f"{where}: missing field {key!r}")
+    if "rope_theta" not in c and not (isinstance(c.get("rope_parameters"), dict) and
+                                      "rope_theta" in c["rope_parameters"]):
+        rep.errors.append(f"{where}: missing field 'rope_theta'")
+    if target_vocab_size is not None and c.get("vocab_size") not in (None, target_vocab_size):
+        rep.errors.append(f"{where}: vocab_size {c.get('vocab_size')} != target vocabulary {target_vocab_size}")
+
+
+def _check_vocab_map(rep, d: Path, found, cfg):
+    if cfg.full_vocab:
+        return
+    if "d2t" not in found:
+        rep.errors.append(f"{d}: missing tensor 'd2t' while draft_vocab_size {cfg.draft_vocab_size} < "
+                          f"target vocab {cfg.target_vocab_size} (drafts would map to the wrong token ids)")
+        return
+    from .common import load_tensors
+    t = load_tensors(d)
+    d2t = t.get("d2t")
+    if d2t is None:
+        return
+    ids = torch.arange(d2t.numel()) + d2t.to(torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= cfg.target_vocab_size:
+        rep.errors.append(f"{d}: d2t maps draft ids outside [0, {cfg.target_vocab_size})")
+    if "t2d" in t and int(t["t2d"].sum()) != cfg.draft_vocab_size:
+        rep.errors.append(f"{d}: t2d marks {int(t['t2d'].sum())} tokens, expected {cfg.draft_vocab_size}")
+
+
+def _check_verifier(rep, where, spec_verifier: dict, verifier):
+    if verifier is None:
+        return
+    if isinstance(verifier, str):
+        name, archs = verifier, None
+    elif isinstance(verifier, dict):
+        name, archs = verifier.get("name_or_path"), verifier.get("architectures")
+    else:
+        name = getattr(verifier, "name_or_path", None) or getattr(verifier, "_name_or_path", None)
+        archs = getattr(verifier, "architectures", None)
+    if name is not None and spec_verifier.get("name_or_path") not in (name,):
+        rep.errors.append(f"{where}: verifier name_or_path {spec_verifier.get('name_or_path')!r} != given target "
+                          f"{name!r}")
+    if archs and spec_verifier.get("architectures") and list(archs) != list(spec_verifier["architectures"]):
+        rep.errors.append(f"{where}: verifier architectures {spec_verifier['architectures']} != target {list(archs)}")
+
+
+# ------------------------------------------------------------------ formats
+def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
+    where = str(d / "config.json")
+    if "model_type" in c:
+        rep.errors.append(f"{where}: top-level 'model_type' must be absent in a speculators config")
+    for key in ("speculators_version", "draft_vocab_size"):
+        if key not in c:
+            rep.errors.append(f"{where}: missing field {key!r}")
+    if c.get("architectures") != ["Eagle3Speculator"]:
+        rep.warnings.append(f"{where}: architectures {c.get('architectures')} (speculators writes ['Eagle3Speculator'])")
+    _flags_explicit(rep, where, c, spec_fmt.NORM_FLAGS,
+                    {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False})
+    if not c.get("eagle_aux_hidden_state_layer_ids"):
+        rep.errors.append(f"{where}: missing field 'eagle_aux_hidden_state_layer_ids' (vLLM would capture its "
+                          "default layers)")
+    if "target_hidden_size" not in c:
+        rep.warnings.append(f"{where}: 'target_hidden_size' absent (write null when equal)")
+    tl = c.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        rep.errors.append(f"{where}: missing field 'transformer_layer_config'")
+        return None
+    _check_common_cfg(rep, f"{where}: transformer_layer_config", tl, target_vocab_size)
+    if tl.get("model_type", "llama") not in ("llama", "qwen3"):
+        rep.errors.append(f"{where}: transformer_layer_config.model_type {tl.get('model_type')!r} (vLLM maps only "
+                          "llama/qwen3)")
+    sc = c.get("speculators_config")
+    try:
+        sc["proposal_methods"][0]["speculative_tokens"]
+        sc["verifier"]["name_or_path"]
+        if sc.get("algorithm") != "eagle3":
+            rep.errors.append(f"{where}: speculators_config.algorithm {sc.get('algorithm')!r} != 'eagle3'")
+    except (KeyError, IndexError, TypeError):
+        rep.errors.append(f"{where}: speculators_config lacks proposal_methods[0].speculative_tokens or "
+                          "verifier.name_or_path (vLLM rejects it)")
+        sc = {"verifier": {}}
+    _check_verifier(rep, where, sc.get("verifier") or {}, verifier)
+    rep.checked.append("speculators/vLLM config fields")
+    if rep.errors:
+        return None
+    try:
+        cfg = spec_fmt.config_to_head_config(c, where)
+    except (ExportError, ValueError) as e:
+        rep.errors.append(str(e))
+        return None
+    found = tensor_shapes_dtypes(d)
+    expected = _expected(Eagle3Head, cfg)
+    optional = {"embed_tokens.weight", "d2t", "t2d"}
+    required = set(expected) - optional
+    if not cfg.full_vocab:
+        required |= {"d2t"}
+    _compare_tensors(rep, str(d), found, expected, required, optional, "vLLM raises on unknown names", dtype)
+    _check_vocab_map(rep, d, found, cfg)
+    if "embed_tokens.weight" not in found:
+        msg = f"{d}: no 'embed_tokens.weight' (vLLM shares the target's; speculators leaves it at zero)"
+        (rep.errors if "speculators" in rep.readers else rep.warnings).append(msg)
+    if "speculators" in rep.readers:
+        if cfg.num_aux != 3 or cfg.target_hidden_size != cfg.hidden_size:
+            rep.errors.append(f"{where}: speculators 0.9.0 builds fc as 3*hidden_size; this head has "
+                              f"{cfg.num_aux} aux layers of width {cfg.target_hidden_size}")
+    return cfg
+
+
+def _check_sglang(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
+    where = str(d / "config.json")
+    _check_common_cfg(rep, where, c, target_vocab_size)
+    if c.get("model_type") != "llama":
+        rep.errors.append(f"{where}: model_type {c.get('model_type')!r} != 'llama'")
+    if c.get("num_hidden_layers") != 1:
+        rep.errors.append(f"{where}: num_hidden_layers {c.get('num_hidden_layers')} != 1")
+    if c.get("tie_word_embeddings", True) is not False:
+        rep.errors.append(f"{where}: tie_word_embeddings must be false (else SGLang uses the embedding as lm_head)")
+    if "draft_vocab_size" not in c:
+        rep.errors.append(f"{where}: missing field 'draft_vocab_size' (SGLang would load the target lm_head)")
+    if "target_hidden_size" in c and c["target_hidden_size"] is None:
+        rep.errors.append(f"{where}: 'target_hidden_size' is null (readers use hasattr(); omit it when equal)")
+    ec = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
+    top = c.get("eagle_aux_hidden_state_layer_ids")
+    nested = ec.get("eagle_aux_hidden_state_layer_ids")
+    if not nested and "sglang" in rep.readers:
+        rep.errors.append(f"{where}: missing field 'eagle_config.eagle_aux_hidden_state_layer_ids' (SGLang would "
+                          "capture its default layers)")
+    if not top and not nested:
+        rep.errors.append(f"{where}: missing field 'eagle_aux_hidden_state_layer_ids'")
+    if top and nested and list(top) != output_to_hf_ids(nested):
+        rep.errors.append(f"{where}: eagle_config ids {nested} (SGLang output index) and top-level ids {top} "
+                          "(HF index) name different layers")
+    if not top and nested and "vllm" in rep.readers:
+        rep.errors.append(f"{where}: only eagle_config ids {nested}: vLLM reads them as HF indices, SGLang as "
+                          "output indices (off by one); write the top-level field too")
+    if c.get("norm_before_residual") and "sglang" in rep.readers:
+        rep.errors.append(f"{where}: norm_before_residual=true is ignored by SGLang")
+    if "norm_before_residual" not in c:
+        rep.warnings.append(f"{where}: norm_before_residual implicit (vLLM and SGLang both use False here)")
+    rep.checked.append("SGLang/vLLM config fields")
+    if rep.errors:
+        return None
+    try:
+        cfg = sglang_fmt.config_to_head_config(c, where)
+    except (ExportError, ValueError) as e:
+        rep.errors.append(str(e))
+        return None
+    found = tensor_shapes_dtypes(d)
+    for n in found:
+        if n.startswith("layers.0.") and "sglang" in rep.readers:
+            rep.errors.append(f"{d}: tensor {n!r} must be named 'midlayer.*' for SGLang (it would skip it)")
+    mapped = {sglang_fmt.from_sglang_name(n): v for n, v in found.items()}
+    expected = _expected(Eagle3Head, cfg)
+    optional = {"embed_tokens.weight", "d2t", "t2d"}
+    required = (set(expected) - optional) | (set() if cfg.full_vocab else {"d2t"})
+    _compare_tensors(rep, str(d), mapped, expected, required, optional, "SGLang skips unknown names silently", dtype)
+    _check_vocab_map(rep, d, mapped, cfg)
+    return cfg
+
+
+def _check_eagle(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
+    where = str(d / "config.json")
+    _check_common_cfg(rep, where, c, target_vocab_size)
+    if rep.errors:
+        return None
+    found = tensor_shapes_dtypes(d)
+    from .common import head_fields_from_layer_config
+    from ..heads import HeadConfig
+    kw = head_fields_from_layer_config(c, where)
+    kw.update(kind="eagle1", num_layers=int(c.get("num_hidden_layers", 1)),
+              fc_bias=bool(c.get("bias", "fc.bias" in found)))
+    cfg = HeadConfig(**kw)
+    expected = {k: v for k, v in _expected(Eagle1Head, cfg).items() if not k.startswith("lm_head.")}
+    if "lm_head.weight" in found:
+        rep.errors.append(f"{d}: tensor 'lm_head.weight' present; EAGLE-1 readers share the target lm_head "
+                          "(vLLM has no such parameter)")
+        found = {k: v for k, v in found.items() if k != "lm_head.weight"}
+    _compare_tensors(rep, str(d), found, expected, set(expected) - {"embed_tokens.weight"},
+                     {"embed_tokens.weight"}, "no EAGLE-1 reader has this parameter", dtype)
+    if "fc.bias" in found and "vllm" in rep.readers:
+        from .common import load_tensors
+        if bool(load_tensors(d)["fc.bias"].float().abs().max() > 0):
+            rep.errors.append(f"{d}: non-zero 'fc.bias': vLLM v1 llama_eagle builds fc without bias and drops it "
+                              "(validate with readers=('sglang',) or train with fc_bias=False)")
+    return cfg
+
+
+def _check_mtp(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
+    where = str(d / "config.json")
+    D = c.get("num_nextn_predict_layers")
+    if not D:
+        rep.errors.append(f"{where}: missing field 'num_nextn_predict_layers'")
+        return None
+    L = c.get("num_hidden_layers")
+    if L is None:
+        rep.errors.append(f"{where}: missing field 'num_hidden_layers'")
+        return None
+    found = tensor_shapes_dtypes(d)
+    try:
+        head, _ = mtp_fmt.load(d)
+    except ExportError as e:
+        rep.errors.append(str(e))
+        return None
+    exp = {k: tuple(v.shape) for k, v in mtp_fmt.export_tensors(head, int(L)).items()}
+    mine = {k: v for k, v in found.items() if k.startswith("model.layers.") and int(k.split(".")[2]) >= int(L)}
+    _compare_tensors(rep, str(d), mine, exp, set(exp), set(), "not an MTP layer name", dtype)
+    return head.cfg
+
+
+CHECKS = {"speculators": _check_speculators, "sglang": _check_sglang, "eagle": _check_eagle, "mtp": _check_mtp}
+
+
+def check(d, *, target_vocab_size=None, verifier=None, reference_head=None, readers=None, dtype=None,
+          raise_on_error: bool = True, atol: float | None = None) -> ValidationReport:
+    d = Path(d)
+    fmt = detect_format(d)
+    c = read_json(d / "config.json")
+    rep = ValidationReport(str(d), fmt, tuple(readers or DEFAULT_READERS[fmt]))
+    cfg = CHECKS[fmt](rep, d, c, target_vocab_size, verifier, dtype)
+    if rep.ok and reference_head is not None:
+        _compare_outputs(rep, d, reference_head, atol)
+    if raise_on_error and rep.errors:
+        raise ExportError(str(rep))
+    return rep
+
+
+@torch.no_grad()
+def _compare_outputs(rep, d: Path, ref, atol):
+    head, _, _ = load_any(d)
+    if isinstance(head, (Eagle1Head, MTPHead)) and not bool(head.lm_head.weight.any()):
+        head.lm_head.weight.copy_(ref.lm_head.weight.float())  # shared target lm_head is not exported
+    if not bool(head.embed_tokens.weight.any()):
+        head.embed_tokens.weight.copy_(ref.embed_tokens.weight.float())  # shared target embedding
+    ref = ref.float().eval()
+    head.eval()
+    g = torch.Generator().manual_seed(1234)
+    cfg = ref.cfg
+    T = 8
+    ids = torch.randint(0, cfg.target_vocab_size, (2, T), generator=g)
+    pos = torch.arange(T)[None].expand(2, T)
+    if isinstance(ref, Eagle3Head):
+        from ..heads import ttt_forward
+        aux = torch.randn(2, T, cfg.num_aux * cfg.target_hidden_size, generator=g)
+        a, b = ttt_forward(ref, ids, aux, steps=2), ttt_forward(head, ids, aux, steps=2)
+    elif isinstance(ref, Eagle1Head):
+        f = torch.randn(2, T, cfg.hidden_size, generator=g)
+        a, b = [ref.forward_step(ids, f, pos)[0]], [head.forward_step(ids, f, pos)[0]]
+    else:
+        f = torch.randn(2, T, cfg.hidden_size, generator=g)
+        a, b = ref.forward_train(ids, f)[0], head.forward_train(ids, f)[0]
+    diff = max(float((x - y).abs().max()) for x, y in zip(a, b))
+    scale = max(float(x.abs().max()) for x in a)
+    tol = atol if atol is not None else 0.03 * max(1.0, scale)
+    rep.max_output_diff = diff
+    rep.checked.append("outputs vs reference head")
+    if diff > tol:
+        rep.errors.append(f"{d}: reloaded head's logits differ from the reference by {diff:.3g} (> {tol:.3g})")
