@@ -1,0 +1,221 @@
+"""Conversations -> token rows, saved as a ``datasets`` Arrow directory.
+
+``prepare_rows`` loads every source, renders and tokenizes each
+conversation (:func:`specheads.data.template.tokenize_conversation`), drops
+rows without a single loss-masked token (prompt-only conversations, or
+answers cut off by ``max_length``) and writes
+
+    out_dir/            datasets.Dataset.save_to_disk layout
+        summary.json    counts (see prepare_rows)
+
+Columns: ``input_ids`` (list of int32), ``loss_mask`` (list of uint8),
+``conv_id``, ``source`` (the source's path as given), ``category`` (str or
+null). Everything is written into a temporary sibling directory and renamed
+into place at the end, so ``out_dir`` is either the complete previous result
+or the complete new one, never half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from .formats import load_conversations
+from .sources import split_holdout
+from .template import tokenize_conversation, tokenizer_name
+
+__all__ = ["prepare_rows", "load_rows", "load_summary", "rows_features", "SUMMARY_FILE"]
+
+SUMMARY_FILE = "summary.json"
+
+
+def rows_features():
+    import datasets
+
+    seq = getattr(datasets, "List", None) or datasets.Sequence
+    return datasets.Features(
+        {
+            "input_ids": seq(datasets.Value("int32")),
+            "loss_mask": seq(datasets.Value("uint8")),
+            "conv_id": datasets.Value("string"),
+            "source": datasets.Value("string"),
+            "category": datasets.Value("string"),
+        }
+    )
+
+
+def _source(spec: Any) -> tuple[str, str, int | None]:
+    """``(path, format, limit)`` of a source: a path, a dict or a config object
+    with ``path`` / ``format`` / ``limit``."""
+    if isinstance(spec, (str, os.PathLike)):
+        return str(spec), "auto", None
+    get = spec.get if isinstance(spec, dict) else (lambda k, d=None: getattr(spec, k, d))
+    path = get("path")
+    if path is None:
+        raise ValueError(f"data source {spec!r} has no 'path'")
+    limit = get("limit")
+    return str(path), str(get("format") or "auto"), (int(limit) if limit is not None else None)
+
+
+# Worker state for num_proc > 1 (set once per process by the pool initializer).
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer, max_length, chat_template):
+    _WORKER.update(tokenizer=tokenizer, max_length=max_length, chat_template=chat_template)
+
+
+def _tokenize_one(messages):
+    return tokenize_conversation(_WORKER["tokenizer"], messages, _WORKER["max_length"], _WORKER["chat_template"])
+
+
+def _tokenized(convs: list[dict], tokenizer, max_length, chat_template, num_proc: int, desc: str) -> Iterable[dict]:
+    from tqdm.auto import tqdm
+
+    if num_proc <= 1 or len(convs) < 2 * num_proc:
+        for conv in tqdm(convs, desc=desc, unit="conv", leave=False):
+            yield tokenize_conversation(tokenizer, conv["messages"], max_length, chat_template)
+        return
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
+    with ctx.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer, max_length, chat_template)) as pool:
+        chunk = max(1, min(256, len(convs) // (8 * num_proc)))
+        it = pool.imap(_tokenize_one, (c["messages"] for c in convs), chunksize=chunk)
+        yield from tqdm(it, total=len(convs), desc=desc, unit="conv", leave=False)
+
+
+def prepare_rows(
+    sources: list,
+    tokenizer: Any,
+    max_length: int,
+    out_dir: str | Path,
+    num_proc: int = 1,
+    limit: int | None = None,
+    *,
+    chat_template: str | None = None,
+    holdout_fraction: float = 0.0,
+    extra: dict | None = None,
+) -> dict:
+    """Tokenize ``sources`` (``[{"path", "format"}]``; ``format`` defaults to
+    ``auto``) into token rows at ``out_dir``; return the summary written to
+    ``out_dir/summary.json``:
+
+    ``rows, tokens, masked_tokens, skipped_no_assistant, skipped, truncated,
+    conversations (tokenized, holdout excluded), holdout, max_length,
+    holdout_fraction, tokenizer, chat_template_sha256, sources: {path:
+    {format, conversations, holdout, rows, skipped_no_assistant, truncated,
+    tokens, masked_tokens}}``.
+
+    ``limit`` caps the conversations taken from EACH source (its first
+    ``limit``; a source's own ``limit`` applies too, the smaller wins).
+    ``holdout_fraction`` keeps that share of conversations out
+    (:func:`~specheads.data.sources.split_holdout`: by conversation id, seed 0;
+    counted as ``holdout``)
+    so evaluation can use them. ``extra`` is merged into the summary.
+    ``truncated`` counts kept rows that were cut at
+    ``max_length``. Errors in the data (``DataError``) or the template
+    (``TemplateError``) raise before anything is written.
+    """
+    import datasets
+
+    if not sources:
+        raise ValueError("no data sources")
+    if max_length is None or int(max_length) <= 0:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    out_dir = Path(out_dir)
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+
+    # Load (and validate) every source first: a bad file fails before any tokenizing.
+    loaded = []
+    for spec in sources:
+        path, fmt, own_limit = _source(spec)
+        convs = load_conversations(path, fmt)
+        caps = [int(c) for c in (limit, own_limit) if c is not None]
+        if caps:
+            convs = convs[: min(caps)]
+        convs, held = split_holdout(convs, holdout_fraction)
+        loaded.append((path, fmt, convs, len(held)))
+
+    columns: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "conv_id", "source", "category")}
+    per_source: dict[str, dict] = {}
+    totals = dict(rows=0, tokens=0, masked_tokens=0, skipped_no_assistant=0, truncated=0, conversations=0, holdout=0)
+    for path, fmt, convs, n_held in loaded:
+        stats = per_source.setdefault(
+            path,
+            dict(format=fmt, conversations=0, holdout=0, rows=0, skipped_no_assistant=0, truncated=0, tokens=0, masked_tokens=0),
+        )
+        stats["conversations"] += len(convs)
+        totals["conversations"] += len(convs)
+        stats["holdout"] += n_held
+        totals["holdout"] += n_held
+        desc = f"tokenize {Path(path).name}"
+        for conv, row in zip(convs, _tokenized(convs, tokenizer, max_length, chat_template, num_proc, desc)):
+            masked = sum(row["loss_mask"])
+            if masked == 0:
+                stats["skipped_no_assistant"] += 1
+                totals["skipped_no_assistant"] += 1
+                continue
+            columns["input_ids"].append(row["input_ids"])
+            columns["loss_mask"].append(row["loss_mask"])
+            columns["conv_id"].append(conv["id"])
+            columns["source"].append(path)
+            columns["category"].append(conv.get("category"))
+            n = len(row["input_ids"])
+            for d in (stats, totals):
+                d["rows"] += 1
+                d["tokens"] += n
+                d["masked_tokens"] += masked
+                d["truncated"] += int(row["truncated"])
+
+    summary = dict(
+        totals,
+        skipped=totals["skipped_no_assistant"],
+        max_length=int(max_length),
+        holdout_fraction=float(holdout_fraction),
+        tokenizer=tokenizer_name(tokenizer),
+        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
+        sources=per_source,
+    )
+    if extra:
+        summary.update(extra)  # e.g. {"target": target.identity()}
+
+    ds = datasets.Dataset.from_dict(columns, features=rows_features())
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old = None
+    try:
+        ds.save_to_disk(str(tmp))
+        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.rmdir(old)
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.exists() and not out_dir.exists():
+            os.rename(old, out_dir)  # put the previous result back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return summary
+
+
+def load_rows(path: str | Path):
+    """The token rows written by :func:`prepare_rows` (a ``datasets.Dataset``)."""
+    import datasets
+
+    path = Path(path)
+    if not (path / SUMMARY_FILE).exists():
+        raise FileNotFoundError(f"no token rows at {path} (missing {SUMMARY_FILE}; run the data stage first)")
+    return datasets.load_from_disk(str(path))
+
+
+def load_summary(path: str | Path) -> dict:
+    return json.loads((Path(path) / SUMMARY_FILE).read_text())

@@ -1,0 +1,215 @@
+"""Acceptance reports: report.json (machine-readable), report.md (tables) and PNG plots.
+
+The report is written from one plain dict so that every engine (ours, vLLM)
+and every comparison mode lands in the same shape:
+
+    {"title", "created", "target", "prompts", "settings",
+     "baseline": {"name", "tokens_per_s", ...},
+     "runs": [{"name", "engine", "drafter", "k", "tree", "rule", "temperature",
+               "metrics": <runtime.metrics.summarize()>, "per_category": {cat: tau},
+               "tokens_per_s", "speedup", "lossless": {...}}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def _fmt(x, nd=2) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "—"
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def _lossless_cell(ll: dict | None) -> str:
+    if not ll:
+        return "—"
+    if ll.get("kind") == "greedy":
+        return f"{ll['identical']}/{ll['total']} identical"
+    if ll.get("kind") == "chi_square":
+        verdict = "pass" if ll.get("passed") else "FAIL"
+        return f"χ² p_min={ll.get('p_min', float('nan')):.3g} ({verdict})"
+    return ll.get("summary", "—")
+
+
+def render_markdown(report: dict) -> str:
+    runs = report.get("runs", [])
+    lines = [f"# {report.get('title', 'Acceptance report')}", ""]
+    t = report.get("target", {})
+    p = report.get("prompts", {})
+    s = report.get("settings", {})
+    lines += [
+        f"- target: `{t.get('name', '?')}` (config hash `{t.get('config_hash', '?')}`)",
+        f"- prompts: {p.get('source', '?')} — {p.get('count', '?')} prompts, {p.get('turns', '?')} turns",
+        f"- settings: max_new_tokens {s.get('max_new_tokens')}, batch {s.get('batch_size')}, "
+        f"device {s.get('device')}, dtype {s.get('dtype')}, created {report.get('created', '?')}",
+        "",
+        "τ = tokens emitted per target decode forward (accepted drafts + 1), averaged over every decode "
+        "forward, including forwards with no drafts. vLLM τ = 1 + accepted / drafts over forwards that "
+        "carried drafts (vLLM's own figure). Speedup = tokens/s with drafting ÷ tokens/s without, same engine, "
+        "prompts, max_new_tokens and sampling.",
+        "",
+        "| run | engine | drafter | k / tree | rule | T | τ | vLLM τ | acc. rate | tok/s | speedup | lossless |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    b = report.get("baseline")
+    if b:
+        lines.append(f"| {b.get('name', 'plain')} | {b.get('engine', 'specheads')} | none | — | — | "
+                     f"{_fmt(b.get('temperature'))} | 1.00 | — | — | {_fmt(b.get('tokens_per_s'), 1)} | 1.00 | — |")
+    for r in runs:
+        m = r.get("metrics", {})
+        kt = r.get("tree") or r.get("k")
+        lines.append(
+            f"| {r['name']} | {r.get('engine', 'specheads')} | {r.get('drafter')} | {kt} | {r.get('rule')} | "
+            f"{_fmt(r.get('temperature'))} | {_fmt(m.get('tau'))} | {_fmt(m.get('vllm_mean_acceptance_length'))} | "
+            f"{_fmt(m.get('acceptance_rate'))} | {_fmt(r.get('tokens_per_s'), 1)} | {_fmt(r.get('speedup'))} | "
+            f"{_lossless_cell(r.get('lossless'))} |"
+        )
+    # per-position acceptance
+    max_pos = max((len(r.get("metrics", {}).get("alpha", [])) for r in runs), default=0)
+    if max_pos:
+        lines += ["", "## Per-position acceptance α_i = P(draft i accepted | drafts 1..i−1 accepted)", "",
+                  "| run | " + " | ".join(f"α_{i + 1}" for i in range(max_pos)) + " |",
+                  "|---|" + "---|" * max_pos]
+        for r in runs:
+            a = r.get("metrics", {}).get("alpha", [])
+            lines.append(f"| {r['name']} | " + " | ".join(_fmt(a[i]) if i < len(a) else "—" for i in range(max_pos)) + " |")
+    cats = sorted({c for r in runs for c in (r.get("per_category") or {})})
+    if cats:
+        lines += ["", "## τ per prompt category", "", "| run | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+        for r in runs:
+            pc = r.get("per_category") or {}
+            lines.append(f"| {r['name']} | " + " | ".join(_fmt(pc.get(c)) for c in cats) + " |")
+    # lossless details
+    details = [r for r in runs if r.get("lossless")]
+    if details:
+        lines += ["", "## Lossless checks", ""]
+        for r in details:
+            ll = r["lossless"]
+            if ll.get("kind") == "greedy":
+                lines.append(f"- **{r['name']}**: greedy output identical to plain decoding for "
+                             f"{ll['identical']}/{ll['total']} sequences ({_fmt(100 * ll['identical'] / max(1, ll['total']), 1)}%).")
+                for d in ll.get("divergences", [])[:10]:
+                    lines.append(f"  - prompt `{d['prompt_id']}` turn {d.get('turn', 0)}: first divergence at generated "
+                                 f"token {d['position']} (plain {d['plain_token']!r} vs drafted {d['drafted_token']!r}); "
+                                 f"target logit margin top-1 − top-2 there: {_fmt(d.get('logit_margin'), 4)}")
+            elif ll.get("kind") == "chi_square":
+                lines.append(f"- **{r['name']}**: two-sample χ² of per-position token distributions, drafted vs plain, "
+                             f"{ll.get('draws')} draws × {len(ll.get('p_values', []))} positions: p-values "
+                             f"{', '.join(_fmt(x, 3) for x in ll.get('p_values', []))}; threshold "
+                             f"{ll.get('alpha_level')} (Bonferroni): **{'pass' if ll.get('passed') else 'FAIL'}**"
+                             + (f" — expected to fail: {ll['expect']}" if ll.get("expect") == "fail" else ""))
+    extra = report.get("notes")
+    if extra:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in extra]
+    plots = report.get("plots", [])
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(pth).stem}]({Path(pth).name})" for pth in plots]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = report.get("runs", [])
+    if not runs:
+        return []
+    paths = []
+    names = [r["name"] for r in runs]
+
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(runs) + 2), 3.8))
+    taus = [r.get("metrics", {}).get("tau", float("nan")) for r in runs]
+    vt = [r.get("metrics", {}).get("vllm_mean_acceptance_length", float("nan")) for r in runs]
+    x = range(len(runs))
+    ax.bar([i - 0.2 for i in x], taus, width=0.4, label="τ (all decode forwards)")
+    ax.bar([i + 0.2 for i in x], vt, width=0.4, label="vLLM τ (forwards with drafts)")
+    ax.set_xticks(list(x), names, rotation=20, ha="right")
+    ax.set_ylabel("tokens per target forward")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.legend(fontsize=8)
+    ax.set_title("Acceptance length")
+    fig.tight_layout()
+    p = out_dir / "acceptance_length.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(str(p))
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for r in runs:
+        a = r.get("metrics", {}).get("alpha", [])
+        if a:
+            ax.plot(range(1, len(a) + 1), a, marker="o", label=r["name"])
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("α_i")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Per-position acceptance")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = out_dir / "alpha_by_position.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(str(p))
+
+    cats = sorted({c for r in runs for c in (r.get("per_category") or {})})
+    if cats:
+        fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(cats) * max(1, len(runs) / 2) + 2), 3.8))
+        w = 0.8 / len(runs)
+        for j, r in enumerate(runs):
+            pc = r.get("per_category") or {}
+            ax.bar([i + j * w - 0.4 + w / 2 for i in range(len(cats))], [pc.get(c, float("nan")) for c in cats],
+                   width=w, label=r["name"])
+        ax.set_xticks(range(len(cats)), cats, rotation=20, ha="right")
+        ax.set_ylabel("τ")
+        ax.set_title("τ per prompt category")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        p = out_dir / "tau_by_category.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(str(p))
+
+    b = report.get("baseline") or {}
+    tps = [r.get("tokens_per_s") for r in runs]
+    if b.get("tokens_per_s") and any(tps):
+        fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(runs) + 2), 3.8))
+        labels = [b.get("name", "plain")] + names
+        vals = [b["tokens_per_s"]] + [v or 0 for v in tps]
+        ax.bar(range(len(vals)), vals, color=["grey"] + ["C0"] * len(runs))
+        ax.set_xticks(range(len(vals)), labels, rotation=20, ha="right")
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title("Throughput with and without drafting")
+        fig.tight_layout()
+        p = out_dir / "throughput.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(str(p))
+    return paths
+
+
+def _json_safe(x):
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(report)
+    report["plots"] = write_plots(report, out)
+    (out / "report.json").write_text(json.dumps(_json_safe(report), indent=2, default=str))
+    (out / "report.md").write_text(render_markdown(report))
+    return {"json": str(out / "report.json"), "md": str(out / "report.md"), "plots": report["plots"]}
