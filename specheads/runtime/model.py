@@ -1,0 +1,464 @@
+"""Target engine: a small Llama-family forward over Hugging Face weights (gpt-fast style).
+
+Supports Llama, Mistral (no sliding window), Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm).
+
+KV cache layout: ``k, v: [layers, B, kv_heads, max_seq, head_dim]`` plus ``lengths [B]``
+(how many slots of each row are valid). Rows are left-aligned: row b's token at position
+p lives in slot p. A forward writes the new tokens' K/V at ``write_pos`` (default
+``lengths + arange(T)``) and every new token sees (a) all of its row's cached prefix
+(slots < lengths[b]) and (b) the new tokens allowed by ``attn_mask [B, T, T]`` (causal
+when omitted; an ancestor mask for a token tree). The forward never changes
+``lengths``: the caller commits accepted tokens (``commit``), rolls back
+(``set_lengths``) and, after tree verification, moves the accepted path into place
+(``compact``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    hidden_act: str = "silu"
+    model_type: str = "llama"
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelArgs":
+        mt = getattr(cfg, "model_type", "llama")
+        if mt not in ("llama", "mistral", "qwen2", "qwen3"):
+            raise ValueError(f"runtime supports llama, mistral, qwen2, qwen3; got model_type={mt!r}")
+        rp = getattr(cfg, "rope_parameters", None)
+        rp = dict(rp) if isinstance(rp, dict) else {}
+        theta = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0) or 10000.0))
+        scaling = None
+        if rp.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+        elif getattr(cfg, "rope_scaling", None):
+            scaling = dict(cfg.rope_scaling)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        heads = cfg.num_attention_heads
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+            qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            o_bias=bool(getattr(cfg, "attention_bias", False)) and mt != "qwen2",
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            hidden_act=getattr(cfg, "hidden_act", "silu"),
+            model_type=mt,
+            eos_token_ids=eos,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (also used by the drafters' own layers)
+# --------------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Exactly Hugging Face's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for default and llama3 RoPE (as HF computes them)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, inv_l), 1.0
+    raise NotImplementedError(f"rope_type {kind!r}: build the engine with from_hf (it takes HF's tables)")
+
+
+def rope_tables(inv_freq: torch.Tensor, scale: float, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_seq, head_dim] in fp32, the same arithmetic as HF's rotary embedding."""
+    pos = torch.arange(max_seq, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [B, T, D] (fp32). HF's rotate_half convention."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def build_attn_mask(lengths: torch.Tensor, write_pos: torch.Tensor, attn_mask: torch.Tensor | None,
+                    kv_len: int) -> torch.Tensor:
+    """Boolean visibility [B, 1, T, kv_len]: the row's cached prefix plus the new tokens
+    allowed by ``attn_mask [B, T, T]`` (causal if None), placed at their write slots."""
+    B, T = write_pos.shape
+    slots = torch.arange(kv_len, device=lengths.device)
+    vis = (slots[None, :] < lengths[:, None])[:, None, :].expand(B, T, kv_len).clone()
+    if attn_mask is None:
+        attn_mask = torch.ones(T, T, dtype=torch.bool, device=lengths.device).tril()[None].expand(B, T, T)
+    vis.scatter_(2, write_pos[:, None, :].expand(B, T, T).clamp(max=kv_len - 1), attn_mask.bool())
+    return vis[:, None]
+
+
+def cached_attention(q, k_new, v_new, k_cache, v_cache, write_pos, mask, kv_len):
+    """Write k_new/v_new [B, KvH, T, D] into the layer cache [B, KvH, S, D] at write_pos [B, T]
+    and attend q [B, H, T, D] over the first kv_len slots with a bool mask [B, 1, T, kv_len]."""
+    B, KvH, T, D = k_new.shape
+    idx = write_pos[:, None, :, None].expand(B, KvH, T, D)
+    k_cache.scatter_(2, idx, k_new.to(k_cache.dtype))
+    v_cache.scatter_(2, idx, v_new.to(v_cache.dtype))
+    k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != KvH)
+
+
+class KVCache:
+    """Static cache for ``num_layers`` layers; ``lengths[b]`` = valid slots of row b."""
+
+    def __init__(self, num_layers, batch, kv_heads, max_seq, head_dim, dtype, device):
+        shape = (num_layers, batch, kv_heads, max_seq, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_batch, self.max_seq = batch, max_seq
+
+    def set_lengths(self, lengths) -> None:
+        n = len(lengths)
+        self.lengths[:n] = torch.as_tensor(lengths, dtype=torch.long).to(self.lengths.device)
+
+    def compact(self, src_slots: torch.Tensor, dst_start: torch.Tensor) -> None:
+        """Move slots ``src_slots [B, n]`` of each row to ``dst_start[b] + arange(n)`` (all layers).
+        Used after tree verification to put the accepted path's K/V in sequence order."""
+        B, n = src_slots.shape
+        if n == 0:
+            return
+        rows = torch.arange(B, device=src_slots.device)[:, None]
+        dst = dst_start.to(src_slots.device)[:, None] + torch.arange(n, device=src_slots.device)
+        for c in (self.k, self.v):
+            moved = c[:, rows, :, src_slots]            # [B, n, L, KvH, D] (a copy)
+            c[:, rows, :, dst] = moved
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None          # [B, T or n, V]
+    aux: torch.Tensor | None = None      # [B, T, n_aux*H] (HF hidden-state indices, concatenated)
+    final: torch.Tensor | None = None    # [B, T, H] output of the final norm
+
+
+class Layer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        qkv_out = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        self.input_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.post_norm = nn.Parameter(torch.ones(a.hidden_size))
+        self.wqkv = nn.Linear(a.hidden_size, qkv_out, bias=a.qkv_bias)
+        self.wo = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
+        self.w_gate_up = nn.Linear(a.hidden_size, 2 * a.intermediate_size, bias=a.mlp_bias)
+        self.w_down = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
+        if a.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(a.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(a.head_dim))
+
+    def forward(self, x, cos, sin, k_cache, v_cache, write_pos, mask, kv_len):
+        a = self.a
+        B, T, _ = x.shape
+        h = rms_norm(x, self.input_norm, a.rms_norm_eps)
+        q, k, v = self.wqkv(h).split(
+            [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
+        q = q.view(B, T, a.num_heads, a.head_dim)
+        k = k.view(B, T, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = cached_attention(q, k, v, k_cache, v_cache, write_pos, mask, kv_len)
+        x = x + self.wo(o.transpose(1, 2).reshape(B, T, -1))
+        h = rms_norm(x, self.post_norm, a.rms_norm_eps)
+        gate, up = self.w_gate_up(h).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, args: ModelArgs, max_batch: int = 1, max_seq: int = 2048,
+                 inv_freq: torch.Tensor | None = None, rope_scale: float = 1.0):
+        super().__init__()
+        if args.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"runtime supports SwiGLU (silu) MLPs only, got {args.hidden_act!r}")
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Layer(args) for _ in range(args.num_layers))
+        self.norm = nn.Parameter(torch.ones(args.hidden_size))
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if inv_freq is None:
+            inv_freq, rope_scale = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.rope_scale = float(rope_scale)
+        self.cache: KVCache | None = None
+        self._graphs = None
+        self.setup_caches(max_batch, max_seq)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    @torch.no_grad()
+    def from_hf(cls, hf_model, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None):
+        """Copy the weights of a HF Llama/Mistral/Qwen2/Qwen3 causal LM into the engine."""
+        cfg = hf_model.config
+        args = ModelArgs.from_hf_config(cfg)
+        gen = getattr(hf_model, "generation_config", None)
+        if gen is not None and getattr(gen, "eos_token_id", None) is not None:
+            e = gen.eos_token_id
+            args.eos_token_ids = sorted(set(args.eos_token_ids) | set([e] if isinstance(e, int) else e))
+        sw = getattr(cfg, "sliding_window", None)
+        if sw and (args.model_type == "mistral" or getattr(cfg, "use_sliding_window", False)) and max_seq > sw:
+            raise NotImplementedError(f"sliding-window attention (window {sw}) < max_seq {max_seq}")
+        dtype = dtype or next(hf_model.parameters()).dtype
+        device = torch.device(device) if device is not None else next(hf_model.parameters()).device
+        base = hf_model.model
+        inv_freq, scale = None, 1.0
+        rot = getattr(base, "rotary_emb", None)
+        if rot is not None and hasattr(rot, "inv_freq"):
+            inv_freq, scale = rot.inv_freq.detach().float().cpu(), float(getattr(rot, "attention_scaling", 1.0))
+        with torch.device("meta"):
+            m = cls(args, max_batch=1, max_seq=1, inv_freq=torch.zeros(args.head_dim // 2), rope_scale=scale)
+        m.to_empty(device="cpu")
+        m.inv_freq.copy_(inv_freq if inv_freq is not None else rope_inv_freq(
+            args.head_dim, args.rope_theta, args.rope_scaling)[0])
+        m.embed.weight.copy_(base.embed_tokens.weight)
+        for layer, hl in zip(m.layers, base.layers):
+            at, mlp = hl.self_attn, hl.mlp
+            layer.input_norm.copy_(hl.input_layernorm.weight)
+            layer.post_norm.copy_(hl.post_attention_layernorm.weight)
+            layer.wqkv.weight.copy_(torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]))
+            if args.qkv_bias:
+                layer.wqkv.bias.copy_(torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]))
+            layer.wo.weight.copy_(at.o_proj.weight)
+            if args.o_bias:
+                layer.wo.bias.copy_(at.o_proj.bias)
+            if args.qk_norm:
+                layer.q_norm.copy_(at.q_norm.weight)
+                layer.k_norm.copy_(at.k_norm.weight)
+            layer.w_gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            if args.mlp_bias:
+                layer.w_gate_up.bias.copy_(torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias]))
+                layer.w_down.bias.copy_(mlp.down_proj.bias)
+            layer.w_down.weight.copy_(mlp.down_proj.weight)
+        m.norm.copy_(base.norm.weight)
+        m.lm_head.weight.copy_(hf_model.get_output_embeddings().weight)
+        inv = m.inv_freq.float().clone()
+        m = m.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        m.inv_freq = inv.to(device)
+        m.setup_caches(max_batch, max_seq)
+        return m
+
+    def setup_caches(self, max_batch: int, max_seq: int) -> None:
+        """(Re)allocate the KV cache and the RoPE tables; drops captured CUDA graphs."""
+        a = self.args
+        dev = self.embed.weight.device
+        if dev.type == "meta":
+            return
+        self.cache = KVCache(a.num_layers, max_batch, a.num_kv_heads, max_seq, a.head_dim,
+                             self.embed.weight.dtype, dev)
+        cos, sin = rope_tables(self.inv_freq.float().cpu(), self.rope_scale, max_seq)
+        self.cos, self.sin = cos.to(dev), sin.to(dev)
+        self._graphs = None
+
+    @property
+    def max_seq(self) -> int:
+        return self.cache.max_seq
+
+    @property
+    def max_batch(self) -> int:
+        return self.cache.max_batch
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    # ---- cache bookkeeping --------------------------------------------------------------
+    def reset(self) -> None:
+        self.cache.lengths.zero_()
+
+    def set_lengths(self, lengths) -> None:
+        """KV rollback (or commit): row b keeps its first lengths[b] slots."""
+        self.cache.set_lengths(lengths)
+
+    def commit(self, n) -> None:
+        """Advance each row's length by n (int or [B])."""
+        n = torch.as_tensor(n, dtype=torch.long, device=self.cache.lengths.device)
+        B = n.numel() if n.dim() else self.max_batch
+        self.cache.lengths[:B] += n
+
+    def compact(self, src_slots: torch.Tensor, dst_start: torch.Tensor) -> None:
+        self.cache.compact(src_slots, dst_start)
+
+    # ---- forward ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                write_pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                aux_layer_ids=(), return_final: bool = False, logits_index: torch.Tensor | None = None,
+                kv_len: int | None = None, compute_logits: bool = True) -> ForwardOutput:
+        """input_ids [B, T]. positions/write_pos [B, T] default to lengths[:, None] + arange(T).
+        attn_mask [B, T, T] bool among the new tokens (None = causal). logits_index [B, n]
+        selects which of the T positions get logits (None = all). kv_len bounds the attended
+        slots (None = the whole cache, as under CUDA graphs); it must exceed every write slot.
+        """
+        B, T = input_ids.shape
+        c = self.cache
+        if B > c.max_batch:
+            raise ValueError(f"batch {B} > cache max_batch {c.max_batch}")
+        lengths = c.lengths[:B]
+        ar = torch.arange(T, device=input_ids.device)
+        if write_pos is None:
+            write_pos = lengths[:, None] + ar
+        if positions is None:
+            positions = lengths[:, None] + ar
+        write_pos = write_pos.clamp(max=c.max_seq - 1)
+        kv_len = c.max_seq if kv_len is None else min(int(kv_len), c.max_seq)
+        mask = build_attn_mask(lengths, write_pos, attn_mask, kv_len)
+        positions = positions.clamp(max=c.max_seq - 1)
+        cos, sin = self.cos[positions], self.sin[positions]
+        want = {int(i) for i in aux_layer_ids}
+        L = self.args.num_layers
+        captured = {}
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            if i in want:
+                captured[i] = x
+            x = layer(x, cos, sin, c.k[i, :B], c.v[i, :B], write_pos, mask, kv_len)
+        final = rms_norm(x, self.norm, self.args.rms_norm_eps)
+        captured[L] = final
+        aux = torch.cat([captured[int(i)] for i in aux_layer_ids], -1) if len(aux_layer_ids) else None
+        logits = None
+        if compute_logits:
+            h = final
+            if logits_index is not None:
+                h = final.gather(1, logits_index[:, :, None].expand(-1, -1, final.shape[-1]))
+            logits = self.lm_head(h)
+        return ForwardOutput(logits=logits, aux=aux, final=final if return_final else None)
+
+    # ---- CUDA graphs --------------------------------------------------------------------
+    def graphed_step(self, input_ids, positions, write_pos, attn_mask, aux_layer_ids=(),
+                     return_final=False) -> ForwardOutput:
+        """A decode/verify forward replayed from a CUDA graph captured per (B, T) shape.
+        Inputs are copied into static buffers; the outputs are fresh copies."""
+        if self.device.type != "cuda":
+            return self.forward(input_ids, positions, write_pos, attn_mask, aux_layer_ids, return_final)
+        if self._graphs is None:
+            self._graphs = CudaGraphs(self)
+        return self._graphs.run(input_ids, positions, write_pos, attn_mask, tuple(aux_layer_ids), return_final)
+
+
+class CudaGraphs:
+    """One captured graph per (B, T, aux ids, final) key; all share one memory pool.
+    The graph attends over the whole static cache (kv_len = max_seq) and reads the row
+    lengths from the cache tensor, so nothing in it depends on host values."""
+
+    def __init__(self, model: TargetModel):
+        self.model = model
+        self.graphs: dict = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run(self, input_ids, positions, write_pos, attn_mask, aux_ids, return_final):
+        B, T = input_ids.shape
+        key = (B, T, aux_ids, return_final)
+        if attn_mask is None:
+            attn_mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None].expand(B, T, T)
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(key, input_ids, positions, write_pos, attn_mask)
+            self.graphs[key] = entry
+        else:
+            st = entry["in"]
+            st["ids"].copy_(input_ids)
+            st["pos"].copy_(positions)
+            st["wp"].copy_(write_pos)
+            st["mask"].copy_(attn_mask)
+            entry["graph"].replay()
+        out = entry["out"]
+        return ForwardOutput(
+            logits=out.logits.clone(),
+            aux=None if out.aux is None else out.aux.clone(),
+            final=None if out.final is None else out.final.clone(),
+        )
+
+    def _capture(self, key, input_ids, positions, write_pos, attn_mask):
+        _, _, aux_ids, return_final = key
+        st = {"ids": input_ids.clone(), "pos": positions.clone(), "wp": write_pos.clone(),
+              "mask": attn_mask.clone().contiguous()}
+        m = self.model
+
+        def step():
+            return m.forward(st["ids"], st["pos"], st["wp"], st["mask"], aux_ids, return_final)
+
+        # Warm-up runs write exactly what the real step writes (same inputs), so they are harmless.
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = step()
+        g.replay()
+        return {"graph": g, "in": st, "out": out}
