@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="append", help="extra drafters to compare: ngram")
     p.add_argument("--engine", choices=["specheads", "vllm"], default="specheads",
                    help="vllm: also run the same prompts in vLLM and put both side by side")
+    p.add_argument("--thresholds", help="tree_target_only: also run relaxed thresholds single,acc (e.g. 0.05,0.5); "
+                   "the report must show they fail the χ² test")
+    p.add_argument("--chi-square-draws", type=int, help="sampled draws per prompt for the χ² lossless check")
+    p.add_argument("--batch-size", type=int)
     p.add_argument("--limit", type=int)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--out", help="report directory")
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # clear one-line errors for the failures we name; tracebacks otherwise
         if getattr(e, "specheads_user_error", False) or type(e).__name__ in {
             "DataError", "TargetError", "DumpError", "DumpMismatchError", "ExportError", "TrainError", "EvalError",
-            "VocabError", "RuntimeInputError", "TemplateError", "FileNotFoundError",
+            "VocabError", "RuntimeInputError", "TemplateError", "FileNotFoundError", "RegenerateError",
         }:
             print(f"specheads: {type(e).__name__}: {e}", file=sys.stderr)
             return 1

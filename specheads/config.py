@@ -271,14 +271,25 @@ def apply_overrides(data: dict, overrides: list[str], source: str = "command lin
         key, value = ov.split("=", 1)
         parts = key.strip().split(".")
         node = data
-        for p in parts[:-1]:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
+        for i, p in enumerate(parts[:-1]):
+            if isinstance(node, list):  # list items by index: data.sources.0.limit=100
+                if not p.isdigit() or int(p) >= len(node):
+                    raise RecipeError(f"{source}: {key!r}: {p!r} is not an index of the list at {'.'.join(parts[:i])!r}")
+                nxt = node[int(p)]
+            else:
+                nxt = node.get(p)
+                if nxt is None:
+                    nxt = node[p] = {}
+            if not isinstance(nxt, (dict, list)):
                 raise RecipeError(f"{source}: {key!r}: {p!r} is not a section")
             node = nxt
-        node[parts[-1]] = _parse_value(value)
+        last = parts[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise RecipeError(f"{source}: {key!r}: {last!r} is not an index of the list")
+            node[int(last)] = _parse_value(value)
+        else:
+            node[last] = _parse_value(value)
     return data
 
 

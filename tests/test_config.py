@@ -54,3 +54,10 @@ def test_recipe_hash_tracks_sections():
     c = load_recipe("recipes/smollm2_eagle3.yaml", ["head.num_layers=2"])
     assert a.hash("head", "train") == b.hash("head", "train")
     assert a.hash("head") != c.hash("head")
+
+
+def test_override_list_items():
+    r = load_recipe("recipes/smollm2_eagle3.yaml", ["data.sources.0.limit=16"])
+    assert r.data.sources[0].limit == 16
+    with pytest.raises(RecipeError, match="not an index"):
+        load_recipe("recipes/smollm2_eagle3.yaml", ["data.sources.5.limit=16"])

@@ -3,7 +3,7 @@
 ``run_prepare(recipe)``  sources (or the regenerated answers) -> token rows at
                          ``recipe.rows_dir`` (summary.json records the target).
 ``run_vocab(recipe)``    token rows -> ``recipe.vocab_dir`` (vocab.safetensors + vocab.json).
-``run_regenerate``       not written yet (see the function).
+``run_regenerate(recipe)`` prompts -> the target's own answers (see data/regenerate.py).
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def run_vocab(recipe) -> dict:
     return stats
 
 
-def run_regenerate(recipe):
-    raise NotImplementedError(
-        "`specheads data regenerate` is not implemented yet (answering prompts with the target "
-        "needs the generation loop); use load_prompts() + the target to produce a conversations file"
-    )
+def run_regenerate(recipe, target=None) -> dict:
+    from .regenerate import run_regenerate as _run
+
+    return _run(recipe, target=target)

@@ -1,0 +1,167 @@
+"""Self-distillation data: answer the prompts with the target itself.
+
+Draft heads accept far more when trained on the target's own answers. This
+stage reads prompts in any supported format (multi-turn: each user turn in
+order, feeding back the target's earlier answers), generates with the
+runtime's batched engine (and a draft head when given), and appends
+OpenAI-messages JSONL.
+
+Resumable: conversations are appended whole (one line, flushed and fsynced
+per batch); a rerun skips the ids already written and drops a torn last
+line, so no prompt is generated twice and none is lost. Deterministic: each
+conversation's seed comes from its id, so its answer does not depend on
+batching or on where a previous run stopped. The output has a sidecar
+``.meta.json`` naming the target and settings; a different recipe's output
+at the same path is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+
+
+class RegenerateError(ValueError):
+    specheads_user_error = True
+
+
+def _settings_doc(recipe, target) -> dict:
+    g = recipe.data.regenerate
+    return {
+        "target": {"name": target.name, "config_hash": target.config_hash},
+        "sources": [s.model_dump() for s in recipe.data.sources],
+        "holdout_fraction": recipe.data.holdout_fraction,
+        "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
+        "max_prompt_tokens": g.max_prompt_tokens, "seed": recipe.seed,
+    }
+
+
+def _check_meta(out: Path, doc: dict) -> None:
+    meta = out.with_name(out.name + ".meta.json")
+    if meta.exists():
+        old = json.loads(meta.read_text())
+        if old != doc:
+            diff = [k for k in doc if old.get(k) != doc.get(k)]
+            raise RegenerateError(
+                f"{out} already holds data generated with other settings (differing: {', '.join(diff)}); "
+                f"choose another data.regenerate.out or delete it")
+    elif out.exists() and out.stat().st_size > 0:
+        raise RegenerateError(f"{out} exists but was not written by `specheads data regenerate` (no {meta.name}); "
+                              f"choose another data.regenerate.out")
+    else:
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps(doc, indent=2))
+
+
+def _done_ids(out: Path) -> set[str]:
+    """Ids already written; a torn last line (killed mid-write) is cut off."""
+    if not out.exists():
+        return set()
+    done, good = set(), 0
+    with open(out, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                done.add(str(json.loads(line)["id"]))
+            except (ValueError, KeyError):
+                break
+            good += len(line)
+    if good != out.stat().st_size:
+        with open(out, "r+b") as f:
+            f.truncate(good)
+    return done
+
+
+def load_prompt_items(recipe) -> tuple[list[dict], dict]:
+    from specheads.data.formats import load_prompts
+    from specheads.data.sources import resolve_source, split_holdout
+
+    items, stats = [], {"empty": 0, "held_out": 0}
+    for src in recipe.data.sources:
+        rows = load_prompts(resolve_source(src.path), src.format)
+        if src.limit:
+            rows = rows[: src.limit]
+        for r in rows:
+            if not r["turns"] or any(not t.strip() for t in r["turns"]):
+                stats["empty"] += 1
+                continue
+            items.append(r)
+    train, held = split_holdout(items, recipe.data.holdout_fraction)
+    stats["held_out"] = len(held)
+    return train, stats
+
+
+def run_regenerate(recipe, target=None) -> dict:
+    from tqdm import tqdm
+
+    from specheads.runtime.chat import chat_generate
+    from specheads.runtime.model import TargetModel
+    from specheads.target import load_target
+
+    g = recipe.data.regenerate
+    out = recipe.regenerated_path
+    items, stats = load_prompt_items(recipe)
+    if target is None:
+        target = load_target(recipe.target.source, dtype=recipe.target.dtype, device=recipe.target.device,
+                             adapter=recipe.target.adapter, chat_template=recipe.target.chat_template)
+    _check_meta(out, _settings_doc(recipe, target))
+    done = _done_ids(out)
+    todo = [it for it in items if str(it["id"]) not in done]
+    # length-sorted batches waste less compute on ragged prompts; order does not change outputs
+    todo.sort(key=lambda it: sum(len(t) for t in it["turns"]))
+    max_turns = max((len(it["turns"]) for it in todo), default=1)
+    max_seq = g.max_prompt_tokens * max_turns + max_turns * (g.max_new_tokens + 32) + 64
+    max_seq = min(max_seq, int(getattr(target.config, "max_position_embeddings", 8192) or 8192))
+    drafter = None
+    if g.head:
+        from specheads.runtime.eval import RunSpec, _build_drafter
+
+        drafter = _build_drafter(RunSpec("regen", g.head, k=g.k), target, target.dtype, target.device)
+    engine = TargetModel.from_hf(target.model, max_batch=g.batch_size, max_seq=max_seq)
+    sampling = g.temperature > 0
+    written = {"conversations": 0, "tokens": 0, "skipped_overlong": 0}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
+    f = open(out, "a", encoding="utf-8")
+
+    def on_done(res):
+        if res.finish_reasons and res.finish_reasons[0].startswith("skipped"):
+            written["skipped_overlong"] += 1
+            bar.update(1)
+            return
+        line = {"id": res.id, "category": res.category, "messages": res.messages,
+                "finish_reasons": res.finish_reasons}
+        try:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise RegenerateError(f"disk full while writing {out}; {written['conversations']} conversations of "
+                                      f"this run are safely written, rerun the same command to resume") from e
+            raise
+        written["conversations"] += 1
+        written["tokens"] += sum(len(a) for a in res.answer_tokens)
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{written['tokens'] / max(1e-9, time.time() - t0):.0f}")
+
+    try:
+        chat_generate(engine, target.tokenizer, todo, max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
+                      drafter=drafter, k=g.k, rule="onehot" if sampling else "greedy", temperature=g.temperature,
+                      top_k=g.top_k, top_p=g.top_p, seed=recipe.seed, max_prompt_tokens=g.max_prompt_tokens,
+                      use_cuda_graphs=engine.device.type == "cuda", on_done=on_done)
+    finally:
+        f.close()
+        bar.close()
+    elapsed = time.time() - t0
+    summary = {"out": str(out), "already_done": len(done), "prompts": len(items), **stats, **written,
+               "seconds": elapsed, "tokens_per_s": written["tokens"] / elapsed if elapsed else 0.0}
+    print(f"regenerated {written['conversations']} conversations ({written['tokens']} tokens, "
+          f"{summary['tokens_per_s']:.0f} tok/s); {len(done)} already done, {stats['empty']} empty and "
+          f"{written['skipped_overlong']} overlong prompts skipped, {stats['held_out']} held out -> {out}")
+    return summary
