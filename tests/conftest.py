@@ -27,3 +27,29 @@ def smollm2():
     from specheads.target import load_target
 
     return load_target("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer and chat template (from the bundled GGUF), without the weights."""
+    from transformers import AutoTokenizer
+
+    from specheads.target import bundled_gguf_path
+
+    p = bundled_gguf_path()
+    return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template, saved as an HF dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny_target")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=smollm2_tokenizer.vocab_size, max_position_embeddings=2048,
+                      eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=1, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    smollm2_tokenizer.save_pretrained(d)
+    return d

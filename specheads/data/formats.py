@@ -490,7 +490,8 @@ _PARSERS = {
 }
 
 
-def _iter_parsed(path: str | Path, fmt: str) -> Iterator[tuple[str, list[dict], str | None, dict]]:
+def _iter_parsed(path: str | Path, fmt: str, skipped_empty: list | None = None
+                 ) -> Iterator[tuple[str, list[dict], str | None, dict]]:
     path = resolve_data_path(path)
     key = _FORMAT_ALIASES.get(str(fmt).lower()) if fmt != "auto" else "auto"
     if key is None:
@@ -509,7 +510,15 @@ def _iter_parsed(path: str | Path, fmt: str) -> Iterator[tuple[str, list[dict], 
                 raise row.error(None, str(e)) from None
         else:
             rec_fmt = key
-        for cid, messages, extra in _PARSERS[rec_fmt](record, row):
+        try:
+            parsed = _PARSERS[rec_fmt](record, row)
+        except DataError as e:
+            # prompt files in the wild hold blank prompts: regeneration counts and skips them
+            if skipped_empty is not None and "empty" in str(e) and "content" in str(e):
+                skipped_empty.append(str(e))
+                continue
+            raise
+        for cid, messages, extra in parsed:
             yield cid, messages, _category(record), extra
 
 
@@ -523,13 +532,14 @@ def load_conversations(path: str | Path, fmt: str = "auto") -> list[dict]:
     return out
 
 
-def load_prompts(path: str | Path, fmt: str = "auto") -> list[dict]:
+def load_prompts(path: str | Path, fmt: str = "auto", skipped_empty: list | None = None) -> list[dict]:
     """Load a data file as prompts for regeneration / evaluation:
     ``{"id", "turns": [user texts], "category"}`` plus ``"system"`` when the
     record has a system message. Assistant turns present in the file are
-    dropped (the target answers again)."""
+    dropped (the target answers again). With ``skipped_empty`` (a list), rows
+    with an empty prompt are skipped and their errors appended to it."""
     out = []
-    for cid, messages, category, extra in _iter_parsed(path, fmt):
+    for cid, messages, category, extra in _iter_parsed(path, fmt, skipped_empty):
         item: dict[str, Any] = {"id": cid, "turns": [m["content"] for m in messages if m["role"] == "user"], "category": category}
         item["turns"].extend(extra.get("pending_turns", []))
         if messages[0]["role"] == "system":

@@ -82,7 +82,9 @@ def load_prompt_items(recipe) -> tuple[list[dict], dict]:
 
     items, stats = [], {"empty": 0, "held_out": 0}
     for src in recipe.data.sources:
-        rows = load_prompts(resolve_source(src.path), src.format)
+        empty: list[str] = []
+        rows = load_prompts(resolve_source(src.path), src.format, skipped_empty=empty)
+        stats["empty"] += len(empty)
         if src.limit:
             rows = rows[: src.limit]
         for r in rows:

@@ -85,6 +85,8 @@ def settings_from_args(args) -> EvalSettings:
     rules = args.rule or [e.rule if e else "greedy"]
     temperature = args.temperature if args.temperature is not None else (e.temperature if e else 0.0)
     tree = args.tree or (e.tree if e else None)
+    if tree:
+        _parse_tree(tree)
     compare = args.compare if args.compare is not None else (e.compare if e else [])
     runs: list[RunSpec] = []
     for h in heads:
@@ -131,9 +133,22 @@ def settings_from_args(args) -> EvalSettings:
     return s
 
 
-def validate_settings(s: EvalSettings) -> None:
+def _parse_tree(tree: str):
     from specheads.runtime.tree import TreeConfig
 
+    try:
+        d, tk, n = (int(x) for x in tree.split(","))
+    except ValueError:
+        raise EvalError(f"--tree {tree!r}: expected depth,topk,tokens (e.g. 4,4,16)") from None
+    cfg = TreeConfig(d, tk, n)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise EvalError(f"--tree {tree!r}: {e}") from None
+    return cfg
+
+
+def validate_settings(s: EvalSettings) -> None:
     if s.split == "holdout" and s.holdout_fraction <= 0:
         raise EvalError("eval.split=holdout needs data.holdout_fraction > 0")
     for r in s.runs:
@@ -146,11 +161,7 @@ def validate_settings(s: EvalSettings) -> None:
         if s.temperature > 0 and r.rule == "greedy":
             raise EvalError("rule 'greedy' is for temperature 0: use --rule rejection, onehot or tree_target_only")
         if r.tree:
-            try:
-                d, tk, n = (int(x) for x in r.tree.split(","))
-            except ValueError:
-                raise EvalError(f"--tree {r.tree!r}: expected depth,topk,tokens (e.g. 4,4,16)") from None
-            TreeConfig(d, tk, n).validate()
+            _parse_tree(r.tree)
         if r.drafter != "ngram" and not Path(r.drafter).is_dir():
             raise EvalError(f"head directory not found: {r.drafter}")
 
@@ -213,12 +224,7 @@ def _build_drafter(spec: RunSpec, target, dtype, device):
 
 
 def _tree_cfg(tree: str | None):
-    if not tree:
-        return None
-    from specheads.runtime.tree import TreeConfig
-
-    d, tk, n = (int(x) for x in tree.split(","))
-    return TreeConfig(d, tk, n)
+    return _parse_tree(tree) if tree else None
 
 
 def _per_category(results, summarize) -> dict:

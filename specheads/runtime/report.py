@@ -144,15 +144,18 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     paths.append(str(p))
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    plotted = 0
     for r in runs:
         a = r.get("metrics", {}).get("alpha", [])
         if a:
             ax.plot(range(1, len(a) + 1), a, marker="o", label=r["name"])
+            plotted += 1
     ax.set_xlabel("draft position i")
     ax.set_ylabel("α_i")
     ax.set_ylim(0, 1.02)
     ax.set_title("Per-position acceptance")
-    ax.legend(fontsize=8)
+    if plotted:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     p = out_dir / "alpha_by_position.png"
     fig.savefig(p, dpi=120)
