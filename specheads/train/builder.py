@@ -1,0 +1,229 @@
+"""Build the draft head a recipe asks for, shaped by the target it drafts for.
+
+``build_head(recipe, target, vocab=None) -> BuiltHead``:
+
+* ``HeadConfig.from_target_config`` (one decoder layer shaped like the
+  target's), aux layer ids from the recipe or the target's default;
+* draft vocabulary from the vocab stage (``recipe.vocab_dir``) for EAGLE-3
+  when ``vocab.draft_vocab_size`` is smaller than the target vocab
+  (EAGLE-1 and MTP share the target's lm_head: full vocabulary);
+* frozen target embedding; ``lm_head`` rows from the target's lm_head at the
+  draft ids when ``head.init_lm_head_from_target``;
+* warm start from an exported head directory (``export.convert.load_any``);
+* optional LoRA adapters (peft) on the warm-started head.
+
+Every contradiction between the recipe, the vocab, a warm-start head and the
+target is a :class:`HeadShapeError` that says what differs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import _compat
+
+log = logging.getLogger("specheads.train")
+
+
+class HeadShapeError(ValueError):
+    pass
+
+
+@dataclass
+class BuiltHead:
+    head: nn.Module  # the module trained (LoRA layers injected when enabled)
+    cfg: object  # HeadConfig
+    d2t: torch.Tensor | None
+    t2d: torch.Tensor | None
+    vocab_stats: dict = field(default_factory=dict)
+    lora: bool = False
+    warm_start: dict | None = None  # {"path", "format", "meta"}
+
+
+def target_weights(target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(embedding [Vt, H], lm_head weight [Vt, H], lm_head bias or None) of a target."""
+    emb = target.embed_tokens.weight
+    lm = target.lm_head
+    return emb.detach(), lm.weight.detach(), (lm.bias.detach() if getattr(lm, "bias", None) is not None else None)
+
+
+def resolve_vocab(recipe, target, vocab=None):
+    """(d2t, t2d, stats); (None, None, stats) for the full vocabulary."""
+    Vt = int(target.vocab_size)
+    kind = recipe.head.kind
+    want = recipe.vocab.draft_vocab_size
+    if kind != "eagle3":
+        if want is not None and want < Vt:
+            log.info("head.kind=%s shares the target lm_head: training over the full vocabulary (%d), "
+                     "vocab.draft_vocab_size=%s is ignored", kind, Vt, want)
+        return None, None, {"draft_vocab_size": Vt, "target_vocab_size": Vt, "identity": True}
+    if vocab is None:
+        if want is None or want >= Vt:
+            return None, None, {"draft_vocab_size": Vt, "target_vocab_size": Vt, "identity": True}
+        vdir = recipe.vocab_dir
+        if not (vdir / "vocab.safetensors").is_file() and not vdir.is_dir():
+            raise HeadShapeError(
+                f"vocab.draft_vocab_size={want} < target vocab {Vt} but no draft vocabulary at {vdir}: "
+                f"run `specheads vocab` first (or set vocab.draft_vocab_size=null for the full vocabulary)")
+        vocab = _compat.load_vocab(vdir)
+    d2t, t2d, stats = vocab
+    d2t = None if d2t is None else torch.as_tensor(d2t, dtype=torch.int64)
+    t2d = None if t2d is None else torch.as_tensor(t2d, dtype=torch.bool)
+    if d2t is None:
+        return None, None, dict(stats or {})
+    if t2d is not None and t2d.numel() != Vt:
+        raise HeadShapeError(
+            f"draft vocabulary was built for a target vocab of {t2d.numel()} tokens, but the target "
+            f"{getattr(target, 'name', '?')} has {Vt}: rebuild it with `specheads vocab`")
+    if want is not None and d2t.numel() != want and want < Vt:
+        raise HeadShapeError(
+            f"vocab.draft_vocab_size={want} but the vocabulary at {recipe.vocab_dir} has {d2t.numel()} "
+            f"tokens: rebuild it or set vocab.draft_vocab_size={d2t.numel()}")
+    ids = torch.arange(d2t.numel()) + d2t
+    if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= Vt):
+        raise HeadShapeError(f"d2t maps draft ids outside the target vocabulary of {Vt} tokens")
+    if d2t.numel() == Vt:
+        return None, None, dict(stats or {})
+    return d2t, t2d, dict(stats or {})
+
+
+def head_config(recipe, target, draft_vocab_size: int):
+    HeadConfig = _compat.head_config_cls()
+    h = recipe.head
+    aux = h.aux_layer_ids if h.aux_layer_ids is not None else (
+        target.default_aux_layer_ids() if h.kind == "eagle3" else [])
+    if aux:
+        try:
+            aux = target.check_layer_ids(aux, where="head.aux_layer_ids")
+        except ValueError as e:
+            raise HeadShapeError(str(e)) from None
+    over = dict(num_layers=h.num_layers, norm_before_residual=h.norm_before_residual,
+                init_lm_head_from_target=h.init_lm_head_from_target, num_mtp_depths=h.num_mtp_depths,
+                mtp_loss_weights=h.mtp_loss_weights)
+    if h.intermediate_size is not None:
+        over["intermediate_size"] = int(h.intermediate_size)
+    try:
+        return HeadConfig.from_target_config(target.config, h.kind, draft_vocab_size=draft_vocab_size,
+                                             aux_layer_ids=aux, **over)
+    except ValueError as e:
+        raise HeadShapeError(f"head config: {e}") from None
+
+
+def check_head_against_target(cfg, target, where: str = "head") -> None:
+    """Shape facts of a head config that must agree with the target."""
+    errs = []
+    if int(cfg.target_hidden_size) != int(target.hidden_size):
+        errs.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {target.hidden_size}")
+    if int(cfg.target_vocab_size) != int(target.vocab_size):
+        errs.append(f"target_vocab_size {cfg.target_vocab_size} != target vocab size {target.vocab_size}")
+    if cfg.kind in ("eagle1", "mtp") and int(cfg.hidden_size) != int(target.hidden_size):
+        errs.append(f"{cfg.kind} hidden_size {cfg.hidden_size} != target hidden size {target.hidden_size}")
+    if cfg.aux_layer_ids:
+        bad = [i for i in cfg.aux_layer_ids if not 0 <= int(i) <= target.num_layers]
+        if bad:
+            errs.append(f"aux_layer_ids {bad} out of range for a target with {target.num_layers} layers")
+    if errs:
+        raise HeadShapeError(f"{where} contradicts the target {getattr(target, 'name', '?')}: " + "; ".join(errs))
+
+
+def _warm_start(recipe, target, cfg, d2t):
+    path = recipe.head.warm_start
+    head, meta, fmt = _compat.load_exported_head(path)
+    wcfg = head.cfg
+    where = f"head.warm_start={path} ({fmt})"
+    if wcfg.kind != cfg.kind:
+        raise HeadShapeError(f"{where} is a {wcfg.kind} head but head.kind={cfg.kind}")
+    check_head_against_target(wcfg, target, where)
+    diffs = [f"{k}: {getattr(wcfg, k)} (warm start) != {getattr(cfg, k)} (recipe)"
+             for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                       "head_dim", "draft_vocab_size", "aux_layer_ids", "num_layers", "norm_before_residual")
+             + (("num_mtp_depths",) if cfg.kind == "mtp" else ())
+             if getattr(wcfg, k) != getattr(cfg, k)]
+    if diffs:
+        raise HeadShapeError(f"{where} does not match the recipe's head: " + "; ".join(diffs))
+    if d2t is not None and hasattr(head, "d2t") and not torch.equal(head.d2t.cpu(), d2t.cpu()):
+        raise HeadShapeError(f"{where} uses a different draft vocabulary (d2t) than {recipe.vocab_dir}")
+    tid = (meta or {}).get("target", {}) if isinstance(meta, dict) else {}
+    if isinstance(tid, dict) and tid.get("config_hash") and tid["config_hash"] != target.config_hash:
+        log.warning("%s was trained for target %s (%s), training for %s (%s)", where, tid.get("name"),
+                    tid.get("config_hash"), target.name, target.config_hash)
+    return head, {"path": str(path), "format": fmt, "meta": meta if isinstance(meta, dict) else {}}
+
+
+def _add_lora(head, lcfg):
+    from peft import LoraConfig, inject_adapter_in_model
+
+    conf = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                      target_modules=list(lcfg.target_modules), bias="none")
+    head.requires_grad_(False)
+    head = inject_adapter_in_model(conf, head)
+    n = 0
+    for name, p in head.named_parameters():
+        if "lora_" in name:
+            p.requires_grad_(True)
+            n += p.numel()
+    if n == 0:
+        raise HeadShapeError(f"head.lora.target_modules={lcfg.target_modules} matched no module of the head")
+    return head
+
+
+def build_head(recipe, target, vocab=None) -> BuiltHead:
+    """The head a recipe describes, initialised from (and checked against) the target."""
+    Vt = int(target.vocab_size)
+    d2t, t2d, stats = resolve_vocab(recipe, target, vocab)
+    Vd = int(d2t.numel()) if d2t is not None else Vt
+    cfg = head_config(recipe, target, Vd)
+    check_head_against_target(cfg, target, "recipe head")
+    emb, lm_w, _ = target_weights(target)
+    if tuple(emb.shape) != (Vt, cfg.hidden_size) and cfg.kind != "eagle3":
+        raise HeadShapeError(f"target embedding {tuple(emb.shape)} != ({Vt}, {cfg.hidden_size})")
+    warm = None
+    if recipe.head.warm_start:
+        head, warm = _warm_start(recipe, target, cfg, d2t)
+        cfg = head.cfg
+        head = head.float()
+        with torch.no_grad():  # the embedding is the target's, frozen (some formats leave it out)
+            head.embed_tokens.weight.copy_(emb.to(head.embed_tokens.weight.dtype))
+            head.embed_tokens.weight.requires_grad_(False)
+            if cfg.kind in ("eagle1", "mtp"):
+                head.lm_head.weight.copy_(lm_w)
+                head.lm_head.weight.requires_grad_(False)
+    else:
+        head = _compat.head_classes()[cfg.kind](cfg)
+        if hasattr(head, "embed_tokens") and tuple(head.embed_tokens.weight.shape) != tuple(emb.shape):
+            raise HeadShapeError(f"target embedding {tuple(emb.shape)} does not fit the head's "
+                                 f"embed_tokens {tuple(head.embed_tokens.weight.shape)}: the head's hidden "
+                                 f"size must equal the target's")
+        head.init_from_target(emb.float().cpu(), lm_w.float().cpu(), d2t)
+    lora = bool(recipe.head.lora.enabled)
+    if lora:
+        if not recipe.head.warm_start:
+            log.warning("head.lora.enabled without head.warm_start: LoRA adapters on a freshly initialised head")
+        head = _add_lora(head, recipe.head.lora)
+    return BuiltHead(head=head, cfg=cfg, d2t=d2t, t2d=t2d, vocab_stats=stats, lora=lora, warm_start=warm)
+
+
+def merged_state_dict(head: nn.Module) -> dict:
+    """The head's weights with LoRA adapters merged in (names as without LoRA)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover
+        LoraLayer = ()
+    has_lora = any(isinstance(m, LoraLayer) for m in head.modules()) if LoraLayer else False
+    if not has_lora:
+        return {k: v.detach() for k, v in head.state_dict().items()}
+    import copy
+
+    h = copy.deepcopy(head)
+    for m in h.modules():
+        if isinstance(m, LoraLayer):
+            m.merge()
+    out = {}
+    for k, v in h.state_dict().items():
+        if "lora_" in k:
+            continue
+        out[k.replace(".base_layer.", ".")] = v.detach()
+    return out

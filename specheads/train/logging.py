@@ -1,0 +1,167 @@
+"""Training logs: always a local ``metrics.jsonl``; wandb when enabled; PNG curves at the end.
+
+Rows of ``metrics.jsonl`` (one JSON object per line):
+
+* train rows: ``{"split": "train", "step", "loss", "step_loss": [..], "step_acc": [..],
+  "sim_tau", "lr", "grad_norm", "tokens_per_s", "tokens", "elapsed_s", ...}``
+* eval rows: ``{"split": "eval", "step", "loss", "step_loss", "step_acc", "sim_tau", "positions"}``
+
+wandb runs in ``recipe.train.logging.wandb`` mode (offline by default) with
+``WANDB_DIR`` inside the train dir; a wandb failure never stops training.
+"""
+from __future__ import annotations
+
+import json
+import logging as _pylog
+import math
+import os
+from pathlib import Path
+
+log = _pylog.getLogger("specheads.train")
+
+METRICS = "metrics.jsonl"
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class RunLogger:
+    def __init__(self, recipe, train_dir, *, rank: int = 0, resume_step: int | None = None,
+                 run_config: dict | None = None):
+        self.rank = rank
+        self.dir = Path(train_dir)
+        self.path = self.dir / METRICS
+        self.wandb = None
+        self.every = max(1, int(recipe.train.logging.every))
+        if rank != 0:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.is_file():
+            # Drop what an interrupted run logged past the checkpoint we resume from.
+            keep = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            self.path.write_text("".join(k + "\n" for k in keep))
+        elif resume_step is None and self.path.is_file():
+            self.path.unlink()
+        self._fh = open(self.path, "a", buffering=1)
+        mode = recipe.train.logging.wandb
+        if mode != "disabled":
+            try:
+                os.environ["WANDB_DIR"] = str(self.dir)
+                os.environ.setdefault("WANDB_SILENT", "true")
+                import wandb
+
+                self.wandb = wandb.init(project=recipe.train.logging.project, name=recipe.name,
+                                        dir=str(self.dir), mode=mode, config=run_config or recipe.to_dict(),
+                                        reinit="finish_previous")
+            except Exception as e:  # noqa: BLE001 - logging must never stop a run
+                log.warning("wandb disabled (%s: %s); metrics still go to %s", type(e).__name__, e, self.path)
+                self.wandb = None
+
+    def log(self, row: dict) -> None:
+        if self.rank != 0:
+            return
+        row = {k: _clean(v) for k, v in row.items()}
+        self._fh.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            split = row.get("split", "train")
+            flat = {}
+            for k, v in row.items():
+                if k in ("split", "step"):
+                    continue
+                if isinstance(v, list):
+                    for i, x in enumerate(v):
+                        if isinstance(x, (int, float)):
+                            flat[f"{split}/{k}_{i}"] = x
+                elif isinstance(v, (int, float)):
+                    flat[f"{split}/{k}"] = v
+            try:
+                self.wandb.log(flat, step=int(row["step"]))
+            except Exception as e:  # noqa: BLE001
+                log.warning("wandb.log failed: %s", e)
+
+    def close(self, plot: bool = True) -> list[Path]:
+        if self.rank != 0:
+            return []
+        self._fh.close()
+        if self.wandb is not None:
+            try:
+                self.wandb.finish()
+            except Exception:  # noqa: BLE001
+                pass
+        if plot:
+            try:
+                return plot_metrics(self.path, self.dir / "plots")
+            except Exception as e:  # noqa: BLE001
+                log.warning("plotting failed: %s", e)
+        return []
+
+
+def read_metrics(path) -> list[dict]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS
+    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+
+
+def plot_metrics(metrics_path, out_dir) -> list[Path]:
+    """loss.png (train and eval loss) and acc.png (per-step accuracy, simulated τ) with matplotlib/Agg."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("split") == "train"]
+    ev = [r for r in rows if r.get("split") == "eval"]
+    if not train and not ev:
+        return []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def num(x):
+        try:
+            return float(x)
+        except (TypeError, ValueError):
+            return float("nan")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot([r["step"] for r in train], [num(r["loss"]) for r in train], label="train", lw=1)
+    if ev:
+        ax.plot([r["step"] for r in ev], [num(r["loss"]) for r in ev], "o-", label="eval")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    ax.legend()
+    fig.tight_layout()
+    p1 = out / "loss.png"
+    fig.savefig(p1, dpi=100)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    src = ev if ev else train
+    n = max((len(r.get("step_acc") or []) for r in src), default=0)
+    for k in range(n):
+        pts = [(r["step"], num(r["step_acc"][k])) for r in src if len(r.get("step_acc") or []) > k]
+        a1.plot([s for s, _ in pts], [a for _, a in pts], label=f"step {k}", lw=1)
+    a1.set_xlabel("optimizer step")
+    a1.set_ylabel("accuracy" + (" (eval)" if ev else " (train)"))
+    if n:
+        a1.legend(fontsize=7)
+    for name, rs in (("train", train), ("eval", ev)):
+        if rs:
+            a2.plot([r["step"] for r in rs], [num(r.get("sim_tau")) for r in rs], label=name)
+    a2.set_xlabel("optimizer step")
+    a2.set_ylabel("simulated acceptance length τ")
+    a2.legend()
+    fig.tight_layout()
+    p2 = out / "acc.png"
+    fig.savefig(p2, dpi=100)
+    plt.close(fig)
+    return [p1, p2]

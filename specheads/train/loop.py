@@ -1,0 +1,582 @@
+"""The training loop: one code path for one CPU process, one GPU, or many GPUs under
+``deepspeed`` / ``torchrun``.
+
+``run_train(recipe, target=None, feed=None, eval_feed=None) -> summary``
+
+* Without a launcher the process sets ``MASTER_ADDR/PORT, RANK=0,
+  WORLD_SIZE=1, LOCAL_RANK=0`` (only where absent, restored afterwards)
+  and calls ``deepspeed.init_distributed``; it destroys the process group
+  it created at the end.
+* The head and its loss (:class:`~specheads.train.losses.Objective`) are the
+  DeepSpeed engine's module; the target (its lm_head, and in online mode the
+  whole model inside the feed) runs frozen outside the engine.
+* The feed (``dump.feed.make_feed``) yields batch dicts; the trainer does not
+  know whether they come from a dump or from the target online.
+* Optimizer: DeepSpeed AdamW (betas, weight decay on ≥2-D weights only);
+  LR: linear warmup then cosine / linear decay to ``min_lr_ratio·lr`` (or
+  constant), a ``LambdaLR`` DeepSpeed steps at each optimizer step.
+* bf16 per ``train.precision`` on GPUs that support it; on a CPU the run
+  falls back to fp32 and says so.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import _compat
+from . import checkpoint as ckpt
+from .builder import BuiltHead, build_head, merged_state_dict
+from .logging import RunLogger
+from .losses import Objective, TargetLogits, mtp_weights, simulated_tau
+
+log = logging.getLogger("specheads.train")
+
+
+class TrainingDivergedError(RuntimeError):
+    """Loss or gradient norm became NaN/inf. Nothing was saved from the bad state."""
+
+    def __init__(self, msg: str, step: int, rows=None):
+        super().__init__(msg)
+        self.step = step
+        self.rows = rows
+
+
+class BatchError(ValueError):
+    pass
+
+
+def _say(msg: str, rank: int = 0) -> None:
+    if rank == 0:
+        print(f"[specheads.train] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- distributed
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def distributed():
+    """Initialise torch.distributed through DeepSpeed; single-process defaults without a launcher."""
+    if dist.is_available() and dist.is_initialized():
+        yield False
+        return
+    set_env = {}
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ:
+        defaults = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                    "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+        for k, v in defaults.items():
+            if k not in os.environ:
+                os.environ[k] = v
+                set_env[k] = v
+    import deepspeed
+
+    deepspeed.init_distributed()
+    try:
+        yield True
+    finally:
+        if dist.is_initialized():
+            # deepspeed.comm's destroy wraps torch.distributed.destroy_process_group and also drops
+            # DeepSpeed's cached group handles, so a later run in this process starts clean.
+            import deepspeed.comm as ds_comm
+
+            try:
+                ds_comm.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+        for k in set_env:
+            os.environ.pop(k, None)
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _allreduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+# ---------------------------------------------------------------- schedule / config
+class LRLambda:
+    """Multiplier of the peak LR at optimizer step s (a class so LambdaLR can checkpoint it)."""
+
+    def __init__(self, total: int, warmup: int, kind: str, min_ratio: float):
+        self.total, self.warmup, self.kind, self.min_ratio = int(total), int(warmup), kind, float(min_ratio)
+
+    def __call__(self, s: int) -> float:
+        if self.warmup > 0 and s < self.warmup:
+            return (s + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        p = min(1.0, (s - self.warmup) / max(1, self.total - self.warmup))
+        if self.kind == "cosine":
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+        return 1.0 - (1 - self.min_ratio) * p
+
+
+def effective_precision(requested: str, device: torch.device, rank: int = 0) -> str:
+    if requested == "bf16":
+        if device.type != "cuda":
+            _say("train.precision=bf16 is not used on a CPU: training in fp32", rank)
+            return "fp32"
+        if not torch.cuda.is_bf16_supported():
+            _say("this GPU has no bf16: training in fp32", rank)
+            return "fp32"
+    return requested
+
+
+def deepspeed_config(recipe, precision: str) -> dict:
+    t = recipe.train
+    return {
+        "train_micro_batch_size_per_gpu": int(t.micro_batch_size),
+        "gradient_accumulation_steps": int(t.grad_accum),
+        "gradient_clipping": float(t.grad_clip),
+        "zero_optimization": {"stage": int(t.zero_stage)},
+        "bf16": {"enabled": precision == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {"lr": float(t.lr), "betas": [float(b) for b in t.betas],
+                                                   "eps": 1e-8, "weight_decay": float(t.weight_decay)}},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("the head has no trainable parameters")
+    return groups
+
+
+def total_steps(recipe, n_batches: int) -> int:
+    t = recipe.train
+    if t.max_steps is not None:
+        return int(t.max_steps)
+    return max(1, math.ceil(n_batches * float(t.epochs) / int(t.grad_accum)))
+
+
+# ---------------------------------------------------------------- batches
+def _to_device(batch: dict, device: torch.device) -> dict:
+    out = {}
+    for k, v in batch.items():
+        out[k] = v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+    if "attention_mask" not in out or out["attention_mask"] is None:
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+    return out
+
+
+def _row_ids(batch: dict):
+    for k in ("row_index", "row_ids", "row_id", "ids", "index", "indices"):
+        if k in batch:
+            v = batch[k]
+            return v.tolist() if torch.is_tensor(v) else v
+    return None
+
+
+def check_batch(batch: dict, built: BuiltHead, target_hidden: int) -> None:
+    """Catch a dump written for another target or layer set before it reaches the head."""
+    cfg = built.cfg
+    missing = [k for k in ("input_ids", "loss_mask", "final") + (("aux",) if cfg.kind == "eagle3" else ())
+               if k not in batch]
+    if missing:
+        raise BatchError(f"training batch lacks {missing} (got keys {sorted(batch)})")
+    B, T = batch["input_ids"].shape
+    if batch["final"].shape[-1] != target_hidden:
+        raise BatchError(f"batch 'final' states have width {batch['final'].shape[-1]} but the target's hidden "
+                         f"size is {target_hidden}: the data was produced by another target")
+    if cfg.kind == "eagle3":
+        want = cfg.num_aux * cfg.target_hidden_size
+        got = batch["aux"].shape[-1]
+        if got != want:
+            raise BatchError(f"batch 'aux' states have width {got} but the head expects {cfg.num_aux} aux layers "
+                             f"{cfg.aux_layer_ids} × {cfg.target_hidden_size} = {want}: the dump was written "
+                             f"for another target or aux layer set (re-run `specheads dump` or fix "
+                             f"head.aux_layer_ids)")
+    for k in ("loss_mask", "attention_mask", "aux", "final"):
+        if k in batch and batch[k] is not None and tuple(batch[k].shape[:2]) != (B, T):
+            raise BatchError(f"batch {k!r} has shape {tuple(batch[k].shape)}, expected [{B}, {T}, ...]")
+    if int(batch["input_ids"].max()) >= cfg.target_vocab_size:
+        raise BatchError(f"token id {int(batch['input_ids'].max())} ≥ target vocab {cfg.target_vocab_size}: "
+                         f"the data was tokenised for another target")
+
+
+class Window:
+    """Sums over the micro-batches of one (or more) optimizer steps."""
+
+    def __init__(self, K: int, device):
+        self.K = K
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.step_loss = torch.zeros(K, dtype=torch.float64, device=device)
+        self.hits = torch.zeros(K, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(K, dtype=torch.float64, device=device)
+        self.extra: dict = {}
+        self.n = 0
+        self.tokens = 0
+
+    def add(self, out, tokens: int) -> None:
+        self.loss += out.loss.detach().double()
+        self.step_loss += torch.stack([x.double() for x in out.step_losses])
+        self.hits += torch.stack([h.double() for h in out.hits])
+        self.counts += torch.stack([c.double() for c in out.counts])
+        for k, v in out.extra.items():
+            self.extra[k] = self.extra.get(k, 0.0) + float(v)
+        self.n += 1
+        self.tokens += tokens
+
+    def summary(self, reduce: bool = True) -> dict:
+        vec = torch.cat([self.loss[None], self.step_loss, self.hits, self.counts,
+                         torch.tensor([float(self.n)], dtype=torch.float64, device=self.loss.device)])
+        if reduce:
+            vec = _allreduce(vec)
+        K = self.K
+        n = max(1.0, float(vec[-1]))
+        hits, counts = vec[1 + K:1 + 2 * K], vec[1 + 2 * K:1 + 3 * K]
+        acc = [float(h / c) if c > 0 else 0.0 for h, c in zip(hits, counts)]
+        return {"loss": float(vec[0]) / n, "step_loss": [float(x) / n for x in vec[1:1 + K]],
+                "step_acc": acc, "sim_tau": simulated_tau(acc), "positions": int(counts[0]),
+                **{k: v / max(1, self.n) for k, v in self.extra.items()}}
+
+
+# ---------------------------------------------------------------- the run
+def _load_target(recipe, device):
+    from specheads.target import load_target
+
+    online = recipe.dump.mode == "online"
+    dev = str(device) if online else "cpu"
+    _say(f"loading target {recipe.target.source} ({recipe.target.dtype}, {dev})")
+    return load_target(recipe.target.source, dtype=recipe.target.dtype, device=dev, adapter=recipe.target.adapter,
+                       chat_template=recipe.target.chat_template, require_chat_template=False)
+
+
+def _identity(target) -> dict:
+    if hasattr(target, "identity"):
+        return dict(target.identity())
+    return {"name": getattr(target, "name", "?"), "config_hash": getattr(target, "config_hash", None)}
+
+
+def run_train(recipe, target=None, feed=None, eval_feed=None, *, vocab=None, progress: bool = True) -> dict:
+    """Train the head the recipe describes; returns a summary dict (see :func:`_train`)."""
+    with distributed():
+        return _train(recipe, target, feed, eval_feed, vocab, progress)
+
+
+def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
+    t_start = time.time()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _device(local_rank)
+    tcfg = recipe.train
+    train_dir = Path(recipe.train_dir)
+    if rank == 0:
+        train_dir.mkdir(parents=True, exist_ok=True)
+
+    random.seed(recipe.seed)
+    np.random.seed(recipe.seed)
+    torch.manual_seed(recipe.seed)
+    precision = effective_precision(tcfg.precision, device, rank)
+
+    if target is None:
+        target = _load_target(recipe, device)
+    built = build_head(recipe, target, vocab)
+    cfg = built.cfg
+    head = built.head
+
+    auto_feed = feed is None
+    if auto_feed:
+        feed = _compat.make_feed(recipe, target=target, split="train", rank=rank, world_size=world)
+    if eval_feed is None and auto_feed and tcfg.eval_every and tcfg.eval_fraction > 0:
+        try:
+            eval_feed = _compat.make_feed(recipe, target=target, split="eval", rank=rank, world_size=world)
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            _say(f"no held-out eval ({e})", rank)
+            eval_feed = None
+    n_batches = len(feed)
+    if n_batches == 0:
+        raise BatchError("the training feed is empty: no rows to train on")
+    total = total_steps(recipe, n_batches)
+
+    K = cfg.num_mtp_depths if cfg.kind == "mtp" else (tcfg.ttt_steps if cfg.kind == "eagle3" else 1)
+    weights = mtp_weights(recipe.head, cfg.num_mtp_depths, tcfg.loss_decay) if cfg.kind == "mtp" else None
+    objective = Objective(head, cfg.kind, steps=tcfg.ttt_steps, decay=tcfg.loss_decay,
+                          eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel)
+
+    _, lm_w, lm_b = _target_lm_head(target)
+    target_logits = TargetLogits(lm_w, built.d2t if cfg.kind == "eagle3" else None, lm_b).to(device)
+    target_hidden = int(target.hidden_size)
+
+    ds_cfg = deepspeed_config(recipe, precision)
+    sched = LRLambda(total, tcfg.warmup_steps, tcfg.scheduler, tcfg.min_lr_ratio)
+    engine, optimizer, scheduler = _initialize(objective, ds_cfg, sched, tcfg, device, rank)
+
+    identity = _identity(target)
+    fingerprint = ckpt.resume_fingerprint(recipe, identity, built.d2t, world, precision)
+    lora_meta = recipe.head.lora.model_dump(mode="json") if built.lora else None
+    head_cfg_dict = cfg.to_dict()
+
+    def meta(step_now: int, extra: dict | None = None) -> dict:
+        return {"format": "specheads-train", "version": 1, "kind": cfg.kind, "step": step_now,
+                "target": identity, "aux_layer_ids": list(cfg.aux_layer_ids),
+                "draft_vocab_size": cfg.draft_vocab_size, "vocab": built.vocab_stats,
+                "recipe": recipe.to_dict(), "recipe_hash": recipe.hash(), "lora": lora_meta,
+                "warm_start": built.warm_start and {k: built.warm_start[k] for k in ("path", "format")},
+                "precision": precision, "world_size": world, **(extra or {})}
+
+    # ---- resume
+    step = 0
+    resume_step = None
+    if tcfg.resume:
+        tag = ckpt.latest_checkpoint(train_dir)
+        if tag is None:
+            _say(f"train.resume=true but no checkpoint under {ckpt.checkpoint_root(train_dir)}: starting fresh", rank)
+        else:
+            saved = ckpt.read_client_state(tag)
+            ckpt.compare_fingerprints(saved["fingerprint"], fingerprint, str(tag))
+            rank_state = ckpt.load_checkpoint(engine, tag, rank)
+            if hasattr(feed, "load_state_dict") and rank_state.get("feed") is not None:
+                feed.load_state_dict(rank_state["feed"])
+            ckpt.set_rng_state(rank_state["rng"])
+            step = resume_step = int(saved["step"])
+            _say(f"resumed from {tag} at optimizer step {step}", rank)
+    elif ckpt.latest_checkpoint(train_dir) is not None:
+        _say(f"{ckpt.checkpoint_root(train_dir)} holds checkpoints of an earlier run; train.resume=false: "
+             f"starting over (they will be overwritten)", rank)
+
+    logger = RunLogger(recipe, train_dir, rank=rank, resume_step=resume_step,
+                       run_config={"recipe": recipe.to_dict(), "head": head_cfg_dict, "target": identity})
+
+    def save(step_now: int, last_eval: dict | None) -> Path:
+        client = {"step": step_now, "fingerprint": fingerprint, "recipe_hash": recipe.hash(),
+                  "target": identity, "head_config": head_cfg_dict, "world_size": world}
+        rank_state = {"feed": feed.state_dict() if hasattr(feed, "state_dict") else None, "rng": ckpt.rng_state(),
+                      "step": step_now}
+        return ckpt.save_checkpoint(engine, train_dir, step_now, client, rank_state, rank, head_cfg_dict,
+                                    meta(step_now, {"eval": last_eval}))
+
+    def evaluate(step_now: int) -> dict | None:
+        if eval_feed is None:
+            return None
+        engine.eval()
+        win = Window(K, device)
+        with torch.no_grad():
+            for b in eval_feed:
+                b = _to_device(b, device)
+                check_batch(b, built, target_hidden)
+                win.add(engine(b, target_logits(b["final"])), int(b["attention_mask"].sum()))
+        engine.train()
+        if win.n == 0:
+            return None
+        row = {"split": "eval", "step": step_now, **win.summary()}
+        logger.log(row)
+        return row
+
+    pbar = None
+    if rank == 0 and progress:
+        from tqdm.auto import tqdm
+
+        pbar = tqdm(total=total, initial=step, desc=f"train {cfg.kind}", dynamic_ncols=True, file=sys.stderr)
+
+    losses: list[float] = []
+    last_eval = None
+    tokens_total = 0
+    epoch = 0
+    empty_iters = 0
+    it = iter(feed)
+    win = Window(K, device)
+    t_window = time.time()
+    micro = 0
+    last_saved = resume_step
+    engine.train()
+    if resume_step is None and eval_feed is not None:
+        last_eval = evaluate(0)  # the untrained baseline
+    try:
+        while step < total:
+            try:
+                batch = next(it)
+                empty_iters = 0
+            except StopIteration:
+                empty_iters += 1
+                if empty_iters > 1:
+                    raise BatchError("the training feed yields no batches") from None
+                epoch += 1
+                it = iter(feed)
+                continue
+            batch = _to_device(batch, device)
+            check_batch(batch, built, target_hidden)
+            tv = target_logits(batch["final"])
+            out = engine(batch, tv)
+            bad = torch.tensor(0.0 if torch.isfinite(out.loss.detach()).item() else 1.0, device=device)
+            if float(_allreduce(bad, dist.ReduceOp.MAX)) > 0:
+                raise _diverged(f"loss is {float(out.loss.detach())}", step + 1, micro, epoch, batch, train_dir)
+            engine.backward(out.loss)
+            ntok = int(batch["attention_mask"].sum()) * world
+            win.add(out, ntok)
+            boundary = engine.is_gradient_accumulation_boundary()
+            own_gn = None
+            if boundary:
+                lr_now = float(scheduler.get_last_lr()[0]) if scheduler is not None else float(tcfg.lr)
+                if tcfg.zero_stage == 0 and precision == "fp32":  # DeepSpeed reports no norm here
+                    own_gn = _grad_norm(engine.module)
+            engine.step()
+            micro += 1
+            if not boundary:
+                continue
+            step += 1
+            micro = 0
+            gn = engine.get_global_grad_norm()
+            gn = float(gn) if gn is not None else own_gn
+            if gn is not None and not math.isfinite(gn):
+                raise _diverged(f"gradient norm is {gn}", step, None, epoch, batch, train_dir)
+            tokens_total += win.tokens
+            if step % logger.every == 0 or step == total:
+                now = time.time()
+                s = win.summary()
+                row = {"split": "train", "step": step, "epoch": epoch, **s,
+                       "lr": lr_now,
+                       "grad_norm": gn, "tokens": win.tokens, "tokens_per_s": win.tokens / max(1e-9, now - t_window),
+                       "elapsed_s": now - t_start}
+                logger.log(row)
+                losses.append(s["loss"])
+                if pbar is not None:
+                    pbar.set_postfix(loss=f"{s['loss']:.3f}", acc0=f"{s['step_acc'][0]:.2f}",
+                                     tau=f"{s['sim_tau']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                win = Window(K, device)
+                t_window = time.time()
+            if pbar is not None:
+                pbar.update(1)
+            if tcfg.eval_every and step % tcfg.eval_every == 0 and step < total:
+                last_eval = evaluate(step) or last_eval
+            if tcfg.save_every and step % tcfg.save_every == 0 and step < total:
+                save(step, last_eval)
+                last_saved = step
+    except TrainingDivergedError:
+        if pbar is not None:
+            pbar.close()
+        logger.close(plot=True)
+        raise
+    if pbar is not None:
+        pbar.close()
+
+    final_eval = evaluate(step) if eval_feed is not None else None
+    last_eval = final_eval or last_eval
+    if last_saved != step:
+        save(step, last_eval)
+    final_dir = train_dir / ckpt.FINAL
+    with _gathered(engine, tcfg.zero_stage):
+        sd = merged_state_dict(engine.module.head) if rank == 0 else None
+    if rank == 0:
+        ckpt.save_final(train_dir, sd, head_cfg_dict, meta(step, {"eval": last_eval}))
+    plots = logger.close(plot=True)
+    if dist.is_initialized():
+        dist.barrier()
+    elapsed = time.time() - t_start
+    return {
+        "kind": cfg.kind, "steps": step, "start_step": resume_step or 0, "total_steps": total,
+        "losses": losses, "final_loss": losses[-1] if losses else None, "eval": last_eval,
+        "train_dir": str(train_dir), "final_dir": str(final_dir),
+        "checkpoint": str(ckpt.checkpoint_root(train_dir) / f"step_{step}"),
+        "metrics": str(train_dir / "metrics.jsonl"), "plots": [str(p) for p in plots],
+        "tokens": tokens_total, "elapsed_s": elapsed, "tokens_per_s": tokens_total / max(1e-9, elapsed),
+        "precision": precision, "world_size": world, "epochs_seen": epoch + 1,
+    }
+
+
+def _grad_norm(module: torch.nn.Module) -> float:
+    sq = [p.grad.detach().float().pow(2).sum() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
+def fused_adam_problem() -> str | None:
+    """None when DeepSpeed's fused AdamW op loads (JIT-built on first use, then cached), else why not."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+        if builder is None:
+            return "no FusedAdam op for this accelerator"
+        builder.load(verbose=False)
+        return None
+    except Exception as e:  # noqa: BLE001 - compiler missing, arch list unparsable, ...
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _initialize(objective, ds_cfg: dict, sched: LRLambda, tcfg, device, rank: int):
+    """deepspeed.initialize with DeepSpeed's fused AdamW; when that op cannot be built on this
+    machine, the same AdamW from torch (fused on CUDA), handed to DeepSpeed as a client optimizer."""
+    import deepspeed
+
+    def lr_sched(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, sched)
+
+    groups = param_groups(objective, tcfg.weight_decay)
+    problem = fused_adam_problem()
+    if problem is None:
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=objective, model_parameters=groups, config=ds_cfg, lr_scheduler=lr_sched)
+        return engine, optimizer, scheduler
+    _say(f"DeepSpeed's fused AdamW is unavailable here ({problem}); using torch.optim.AdamW", rank)
+    cfg = {k: v for k, v in ds_cfg.items() if k != "optimizer"}
+    opt = torch.optim.AdamW(groups, lr=float(tcfg.lr), betas=tuple(float(b) for b in tcfg.betas), eps=1e-8,
+                            fused=device.type == "cuda")
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=objective, optimizer=opt, config=cfg,
+                                                           lr_scheduler=lr_sched)
+    return engine, optimizer, scheduler
+
+
+@contextmanager
+def _gathered(engine, zero_stage: int):
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def _target_lm_head(target):
+    from .builder import target_weights
+
+    return target_weights(target)
+
+
+def _diverged(what: str, step: int, micro, epoch: int, batch: dict, train_dir: Path) -> TrainingDivergedError:
+    rows = _row_ids(batch)
+    latest = ckpt.latest_checkpoint(train_dir)
+    where = f"optimizer step {step}" + (f", micro-batch {micro}" if micro is not None else "") + f", epoch {epoch}"
+    msg = (f"training diverged: {what} at {where}; batch rows: "
+           f"{rows if rows is not None else '(the feed gives no row ids)'}; "
+           f"input_ids shape {tuple(batch['input_ids'].shape)}. Nothing was saved from this state; "
+           f"last good checkpoint: {latest if latest else 'none'}")
+    try:
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            (train_dir / "diverged.json").write_text(json.dumps(
+                {"what": what, "step": step, "micro_batch": micro, "epoch": epoch, "rows": rows,
+                 "last_good_checkpoint": str(latest) if latest else None}, indent=2, default=str))
+    except OSError:
+        pass
+    return TrainingDivergedError(msg, step, rows)

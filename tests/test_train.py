@@ -1,0 +1,324 @@
+"""Trainer tests: tiny random heads (hidden 64, vocab 256) on synthetic feeds, real DeepSpeed path (CPU)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specheads.config import recipe_from_dict
+from specheads.train import (BatchError, HeadShapeError, ResumeMismatchError, TrainingDivergedError, build_head,
+                             load_trained_head, run_train)
+from specheads.train.logging import read_metrics
+from specheads.train.losses import TargetLogits, TargetView, counted_positions, distill_step, simulated_tau
+from specheads.train.synthetic import SyntheticFeed, synthetic_vocab, tiny_target
+
+VD = 128
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def vocab(target):
+    return synthetic_vocab(target, VD)
+
+
+def make_recipe(run_dir, kind="eagle3", **train):
+    t = {"ttt_steps": 3, "max_steps": 30, "lr": 3e-3, "warmup_steps": 2, "save_every": 1000, "eval_every": 1000,
+         "precision": "bf16", "loss_kernel": "torch", "logging": {"wandb": "disabled"}}
+    t.update(train)
+    head = {"kind": kind, "aux_layer_ids": [1, 2, 3] if kind == "eagle3" else None, "num_mtp_depths": 2}
+    return recipe_from_dict({"run_dir": str(run_dir), "seed": 0, "head": head, "vocab": {"draft_vocab_size": VD},
+                             "train": t})
+
+
+# ---------------------------------------------------------------- alignment (no DeepSpeed)
+def test_counted_positions_hand_made():
+    # T = 6; predicted tokens x_{t+2+k} must be loss-masked; target argmax at final_{t+1+k} in the draft vocab.
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0]])
+    in_vocab = torch.tensor([[1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    k0 = counted_positions(loss_mask, in_vocab, 0)
+    k1 = counted_positions(loss_mask, in_vocab, 1)
+    # k=0: t+2 ∈ {2,3,4} -> t ∈ {0,1,2}; in_vocab[t+1] drops t=2
+    assert k0[0].nonzero().flatten().tolist() == [0, 1]
+    # k=1: t+3 ∈ {2,3,4} -> t ∈ {0,1}; in_vocab[t+2] drops t=1
+    assert k1[0].nonzero().flatten().tolist() == [0]
+    attn = torch.tensor([[1, 1, 1, 1, 0, 0]])
+    assert counted_positions(loss_mask, in_vocab, 0, attn)[0].nonzero().flatten().tolist() == [0, 1]
+
+
+def test_distill_step_uses_row_t_plus_1_plus_k():
+    T, V = 7, 5
+    # target row r is peaked at token r % V
+    tl = 30.0 * torch.nn.functional.one_hot(torch.arange(T) % V, V).float()[None]
+    tv = TargetView(tl, (torch.arange(T) % V)[None], torch.ones(1, T, dtype=torch.bool))
+    loss_mask = torch.ones(1, T, dtype=torch.long)
+    for k in range(3):
+        # a draft that predicts row t+1+k's argmax at position t is perfect only with the right alignment
+        good = 30.0 * torch.nn.functional.one_hot((torch.arange(T) + 1 + k) % V, V).float()[None]
+        bad = 30.0 * torch.nn.functional.one_hot((torch.arange(T) + 2 + k) % V, V).float()[None]
+        rg = distill_step(good.requires_grad_(), tv, loss_mask, k, backend="torch")
+        rb = distill_step(bad, tv, loss_mask, k, backend="torch")
+        assert int(rg.count) == T - 2 - k
+        assert float(rg.loss.detach()) < 1e-6 and int(rg.hits) == T - 2 - k
+        assert float(rb.loss) > 10 and int(rb.hits) == 0
+        rg.loss.backward()
+
+
+def test_target_view_matches_next_token(target, vocab):
+    """On the bigram feed the target argmax at final_r is x_{r+1}: step k at t is scored against x_{t+2+k}."""
+    feed = SyntheticFeed(target, pad_last=0)
+    b = next(iter(feed))
+    full = TargetLogits(target.lm_head.weight)(b["final"])
+    assert torch.equal(full.argmax[:, :-1], b["input_ids"][:, 1:])
+    d2t, t2d, _ = vocab
+    tv = TargetLogits(target.lm_head.weight, d2t)(b["final"])
+    ids = torch.arange(VD) + d2t
+    assert tv.logits.shape[-1] == VD
+    assert torch.equal(tv.in_vocab, t2d[full.argmax])
+    m = tv.in_vocab
+    assert torch.equal(ids[tv.argmax[m]], full.argmax[m])
+    assert simulated_tau([1.0, 0.5, 0.5]) == pytest.approx(1 + 1 + 0.5 + 0.25)
+
+
+# ---------------------------------------------------------------- builder
+def test_builder_checks_and_lora(target, vocab, tmp_path):
+    r = make_recipe(tmp_path)
+    built = build_head(r, target, vocab)
+    d2t = vocab[0]
+    ids = torch.arange(VD) + d2t
+    assert torch.equal(built.head.lm_head.weight, target.lm_head.weight[ids])
+    assert not built.head.embed_tokens.weight.requires_grad
+    bad = make_recipe(tmp_path)
+    bad.head.aux_layer_ids = [1, 2, 9]
+    with pytest.raises(HeadShapeError, match="out of range"):
+        build_head(bad, target, vocab)
+    other = synthetic_vocab(tiny_target(vocab=300), VD)
+    with pytest.raises(HeadShapeError, match="target vocab of 300"):
+        build_head(r, target, other)
+    r.head.lora.enabled = True
+    lb = build_head(r, target, vocab)
+    trainable = [n for n, p in lb.head.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    from specheads.train.builder import merged_state_dict
+
+    assert set(merged_state_dict(lb.head)) == set(built.head.state_dict())
+
+
+# ---------------------------------------------------------------- DeepSpeed runs
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "mtp"])
+def test_overfit_each_head(kind, target, vocab, tmp_path):
+    r = make_recipe(tmp_path / kind, kind, max_steps=30, eval_every=15, save_every=15)
+    s = run_train(r, target=target, feed=SyntheticFeed(target), eval_feed=SyntheticFeed(target, shuffle=False),
+                  vocab=vocab, progress=False)
+    assert s["steps"] == 30 and s["precision"] == "fp32"
+    ev = [m for m in read_metrics(s["metrics"]) if m["split"] == "eval"]
+    assert ev[0]["step"] == 0 and ev[-1]["step"] == 30
+    assert ev[-1]["loss"] < 0.6 * ev[0]["loss"]
+    assert ev[-1]["sim_tau"] > ev[0]["sim_tau"] + 0.5
+    tr = [m for m in read_metrics(s["metrics"]) if m["split"] == "train"]
+    assert all(m["grad_norm"] is not None and m["tokens_per_s"] > 0 for m in tr)
+    assert tr[0]["lr"] < tr[3]["lr"]  # warmup
+    # final/ and checkpoints load back as the same head
+    head, meta = load_trained_head(tmp_path / kind)
+    assert meta["kind"] == kind and meta["step"] == 30 and meta["target"]["name"] == target.name
+    head_ck, _ = load_trained_head(tmp_path / kind / "train" / "checkpoints" / "step_30")
+    for (n, a), (_, b) in zip(head.state_dict().items(), head_ck.state_dict().items()):
+        assert torch.allclose(a.float(), b.float()), n
+    if kind == "eagle3":
+        assert torch.equal(head.d2t, vocab[0])
+        cfg = json.loads((tmp_path / kind / "train" / "final" / "head_config.json").read_text())
+        assert cfg["aux_layer_ids"] == [1, 2, 3] and cfg["draft_vocab_size"] == VD
+        assert (tmp_path / kind / "train" / "plots" / "loss.png").is_file()
+
+
+def test_resume_equals_uninterrupted(target, vocab, tmp_path):
+    kw = dict(max_steps=12, save_every=6, grad_accum=2, scheduler="cosine", warmup_steps=3)
+    a = run_train(make_recipe(tmp_path / "a", **kw), target=target, feed=SyntheticFeed(target, seed=3),
+                  vocab=vocab, progress=False)
+    # simulate an interruption right after step 6: a new run dir holding only the step-6 checkpoint
+    src = tmp_path / "a" / "train" / "checkpoints"
+    dst = tmp_path / "b" / "train" / "checkpoints"
+    shutil.copytree(src / "step_6", dst / "step_6")
+    (dst / "latest").write_text("step_6")
+    b = run_train(make_recipe(tmp_path / "b", resume=True, **kw), target=target,
+                  feed=SyntheticFeed(target, seed=3), vocab=vocab, progress=False)
+    assert b["start_step"] == 6 and b["steps"] == 12
+    la = {m["step"]: m["loss"] for m in read_metrics(a["metrics"]) if m["split"] == "train"}
+    lb = {m["step"]: m["loss"] for m in read_metrics(b["metrics"]) if m["split"] == "train"}
+    assert sorted(lb) == list(range(7, 13))
+    for s in range(7, 13):
+        assert lb[s] == pytest.approx(la[s], rel=1e-5, abs=1e-6), s
+    ha, _ = load_trained_head(tmp_path / "a")
+    hb, _ = load_trained_head(tmp_path / "b")
+    for (n, x), (_, y) in zip(ha.state_dict().items(), hb.state_dict().items()):
+        assert torch.allclose(x, y, atol=1e-6), n
+    # resuming with another recipe says which fields differ
+    bad = make_recipe(tmp_path / "b", resume=True, **{**kw, "max_steps": 14}, lr=1e-3)
+    with pytest.raises(ResumeMismatchError) as ei:
+        run_train(bad, target=target, feed=SyntheticFeed(target, seed=3), vocab=vocab, progress=False)
+    msg = str(ei.value)
+    assert "train.lr" in msg and "train.max_steps" in msg and "train.ttt_steps" not in msg
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(target, vocab, tmp_path):
+    r = make_recipe(tmp_path, max_steps=10, save_every=2)
+    with pytest.raises(TrainingDivergedError) as ei:
+        run_train(r, target=target, feed=SyntheticFeed(target, nan_batch=4), vocab=vocab, progress=False)
+    assert ei.value.step == 5 and ei.value.rows is not None
+    assert "optimizer step 5" in str(ei.value) and "batch rows" in str(ei.value)
+    ck = tmp_path / "train" / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step_4"
+    assert not (ck / "step_5").exists() and not (tmp_path / "train" / "final").exists()
+    head, meta = load_trained_head(ck / "step_4")
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+    assert json.loads((tmp_path / "train" / "diverged.json").read_text())["step"] == 5
+
+
+def test_bad_dump_is_reported(target, vocab, tmp_path):
+    r = make_recipe(tmp_path, max_steps=2)
+    with pytest.raises(BatchError, match="another target or aux layer set"):
+        run_train(r, target=target, feed=SyntheticFeed(target, aux_width=2 * 64), vocab=vocab, progress=False)
+
+
+# ---------------------------------------------------------------- the real feed (dump store, make_feed)
+def _token_rows(n=20, seed=0, vocab=256):
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+    return [{"input_ids": g.integers(0, vocab, int(k)).tolist(),
+             "loss_mask": (g.random(int(k)) < 0.7).astype(int).tolist()} for k in g.integers(6, 24, n)]
+
+
+def test_offline_dump_feed_and_mismatch(tmp_path):
+    from specheads.dump import run_dump
+    from specheads.dump.store import DumpError
+
+    tgt = tiny_target(layers=8)
+    base = {"run_dir": str(tmp_path), "seed": 0, "data": {"max_length": 32},
+            "dump": {"dtype": "float32", "shard_tokens": 128, "batch_tokens": 64},
+            "vocab": {"draft_vocab_size": None}, "head": {"kind": "eagle3"},
+            "train": {"ttt_steps": 2, "max_steps": 4, "micro_batch_size": 2, "eval_every": 2, "eval_fraction": 0.25,
+                      "save_every": 2, "loss_kernel": "torch", "logging": {"wandb": "disabled"}}}
+    r = recipe_from_dict(base)
+    run_dump(r, target=tgt, rows=_token_rows(), progress=False)
+    s = run_train(r, target=tgt, progress=False)  # feeds from make_feed: train + held-out eval split
+    assert s["steps"] == 4 and s["eval"] is not None and s["eval"]["positions"] > 0
+    _, meta = load_trained_head(tmp_path)
+    assert meta["aux_layer_ids"] == [2, 4, 5] and meta["target"]["config_hash"] == tgt.config_hash
+    # a head asking for other aux layers than the dump holds: the feed refuses, the error surfaces
+    bad = recipe_from_dict({**base, "head": {"kind": "eagle3", "aux_layer_ids": [1, 3, 6]}})
+    with pytest.raises(DumpError, match=r"layer"):
+        run_train(bad, target=tgt, progress=False)
+
+
+def test_torch_adamw_when_fused_adam_cannot_build(target, vocab, tmp_path, monkeypatch):
+    from specheads.train import loop
+
+    monkeypatch.setattr(loop, "fused_adam_problem", lambda: "simulated op build failure")
+    s = run_train(make_recipe(tmp_path, max_steps=3), target=target, feed=SyntheticFeed(target), vocab=vocab,
+                  progress=False)
+    assert s["steps"] == 3 and s["losses"][-1] < s["losses"][0]
+
+
+def test_warm_start_from_export_with_lora(target, vocab, tmp_path):
+    from specheads.export import speculators
+
+    r0 = make_recipe(tmp_path / "src")
+    src = build_head(r0, target, vocab).head
+    with torch.no_grad():
+        src.fc.weight.mul_(0.5)  # something a fresh init would not give
+    out = speculators.save(src, None, tmp_path / "export", dtype=torch.float32)
+    r = make_recipe(tmp_path / "run", max_steps=4, save_every=2)
+    r.head.warm_start = str(out)
+    r.head.lora.enabled = True
+    s = run_train(r, target=target, feed=SyntheticFeed(target), vocab=vocab, progress=False)
+    assert s["steps"] == 4
+    head, meta = load_trained_head(tmp_path / "run")
+    assert meta["lora"]["r"] == 16 and meta["warm_start"]["format"] == "speculators"
+    assert torch.equal(head.fc.weight, src.fc.weight)  # not a LoRA target: frozen
+    assert not torch.equal(head.layers[0].self_attn.q_proj.weight, src.layers[0].self_attn.q_proj.weight)
+    ck, _ = load_trained_head(tmp_path / "run" / "train" / "checkpoints" / "step_4")  # LoRA keys, merged on load
+    assert torch.allclose(ck.layers[0].self_attn.q_proj.weight, head.layers[0].self_attn.q_proj.weight, atol=1e-6)
+    # a warm start for another target shape is refused
+    r.head.aux_layer_ids = [1, 2]
+    with pytest.raises(HeadShapeError, match="aux_layer_ids"):
+        build_head(r, target, vocab)
+
+
+_DDP_SCRIPT = '''
+import json, os, sys, torch
+torch.set_num_threads(1)
+from specheads.config import recipe_from_dict
+from specheads.train import run_train
+from specheads.train.synthetic import tiny_target, SyntheticFeed, synthetic_vocab
+run_dir, resume = sys.argv[1], sys.argv[2] == "1"
+rank = int(os.environ["RANK"])
+tgt = tiny_target()
+r = recipe_from_dict({"run_dir": run_dir, "head": {"kind": "eagle3", "aux_layer_ids": [1, 2, 3]},
+                      "train": {"ttt_steps": 2, "max_steps": 6, "save_every": 3, "eval_every": 3, "lr": 3e-3,
+                                "loss_kernel": "torch", "resume": resume, "logging": {"wandb": "disabled"}}})
+s = run_train(r, target=tgt, feed=SyntheticFeed(tgt, seed=rank), vocab=synthetic_vocab(tgt, 128),
+              eval_feed=SyntheticFeed(tgt, seed=10 + rank, shuffle=False), progress=False)
+print("RESULT", json.dumps({"rank": rank, "world": s["world_size"], "losses": s["losses"]}))
+'''
+
+
+def test_two_ranks_under_torchrun_with_resume(tmp_path):
+    """The launcher path (torchrun, 2 CPU processes, gloo/shm): per-rank data and state, exact resume."""
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp.py"
+    script.write_text(_DDP_SCRIPT)
+
+    def launch(run_dir, resume):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                            "--master_port", str(port), str(script), str(run_dir), "1" if resume else "0"],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return [json.loads(ln.split("RESULT ", 1)[1]) for ln in p.stdout.splitlines() if "RESULT " in ln]
+
+    a = launch(tmp_path / "a", False)
+    assert len(a) == 2 and all(x["world"] == 2 for x in a) and a[0]["losses"] == a[1]["losses"]
+    ck = tmp_path / "a" / "train" / "checkpoints" / "step_3"
+    assert (ck / "rank_0.pt").is_file() and (ck / "rank_1.pt").is_file()
+    shutil.copytree(ck, tmp_path / "b" / "train" / "checkpoints" / "step_3")
+    (tmp_path / "b" / "train" / "checkpoints" / "latest").write_text("step_3")
+    b = launch(tmp_path / "b", True)
+    assert b[0]["losses"] == pytest.approx(a[0]["losses"][3:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_smollm2_end_to_end_offline(smollm2, tmp_path):
+    """The bundled SmolLM2 target: vocab stage files, dump, make_feed, train, final/ loads back."""
+    from specheads.data.vocab import save_vocab, select_draft_vocab
+    from specheads.dump import run_dump
+
+    tok = smollm2.tokenizer
+    texts = ["The capital of France is Paris.", "def add(a, b):\n    return a + b", "Water boils at 100 degrees.",
+             "Speculative decoding drafts tokens.", "One, two, three, four, five, six."] * 2
+    rows = []
+    for t in texts:
+        ids = tok(t)["input_ids"][:40]
+        rows.append({"input_ids": ids, "loss_mask": [0] * 2 + [1] * (len(ids) - 2)})
+    r = recipe_from_dict({"run_dir": str(tmp_path), "data": {"max_length": 64}, "vocab": {"draft_vocab_size": 512},
+                          "dump": {"dtype": "bfloat16"},
+                          "train": {"ttt_steps": 2, "max_steps": 3, "micro_batch_size": 2, "eval_every": 3,
+                                    "eval_fraction": 0.2, "loss_kernel": "torch", "logging": {"wandb": "offline"}}})
+    save_vocab(r.vocab_dir, *select_draft_vocab(rows, 512, smollm2.vocab_size))
+    run_dump(r, target=smollm2, rows=rows, progress=False)
+    s = run_train(r, target=smollm2, progress=False)
+    assert s["steps"] == 3 and all(torch.isfinite(torch.tensor(s["losses"])))
+    head, meta = load_trained_head(tmp_path)
+    assert meta["aux_layer_ids"] == [2, 15, 27] and head.cfg.draft_vocab_size == 512
+    assert head.cfg.hidden_size == 576 and torch.equal(head.embed_tokens.weight, smollm2.embed_tokens.weight)
+    assert (tmp_path / "train" / "wandb").is_dir()
