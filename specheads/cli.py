@@ -186,10 +186,10 @@ def _dispatch(args) -> int:
 
     if cmd == "dump":
         if args.inspect:
-            from specheads.dump.inspect import inspect_store, format_summary
+            from specheads.dump.inspect import format_report, inspect_store
 
             report = inspect_store(args.inspect)
-            print(format_summary(report))
+            print(format_report(report))
             return 0 if report.get("ok", False) else 1
         if not args.recipe:
             raise RecipeError("dump needs a recipe (or --inspect DIR)")

@@ -1,0 +1,205 @@
+"""``make_feed``: the one interface the trainer uses for batches, offline (store) or online (target).
+
+Both kinds yield the same batch dicts::
+
+    {"input_ids" [B,T] int64, "loss_mask" [B,T] int64, "attention_mask" [B,T] int64,
+     "aux" [B,T,n_aux*H], "final" [B,T,H], "row_index" [B] int64}
+
+(offline batches are on the CPU; online batches are on the target's device: move with
+``.to(device)`` either way). Order: the rows of the split are shuffled with
+``(recipe.seed, epoch)`` (train) or kept in order (eval), cut into micro-batches of
+``recipe.train.micro_batch_size``; the global batch list is truncated to a multiple of
+``world_size`` and rank r takes batches r, r+W, r+2W, … (every rank gets the same
+count, so collectives never hang). ``state_dict()`` holds (epoch, position): a resumed
+run continues at exactly the next batch.
+
+The eval holdout is a deterministic ``recipe.train.eval_fraction`` of rows chosen by a
+hash of the row index (independent of seed and of offline/online).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from specheads.dump.online import OnlineFeed
+from specheads.dump.reader import DumpDataset, collate, open_manifest
+from specheads.dump.store import DumpError
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def holdout_mask(n_rows: int, fraction: float) -> np.ndarray:
+    """True for rows in the eval holdout: hash(row index) / 2^64 < fraction."""
+    if fraction <= 0:
+        return np.zeros(n_rows, dtype=bool)
+    u = (_splitmix64(np.arange(n_rows, dtype=np.uint64)) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return u < fraction
+
+
+def split_rows(n_rows: int, fraction: float, split: str) -> np.ndarray:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    m = holdout_mask(n_rows, fraction)
+    return np.nonzero(m if split == "eval" else ~m)[0].astype(np.int64)
+
+
+class _OfflineSource:
+    kind = "offline"
+
+    def __init__(self, ds: DumpDataset, num_workers: int = 0):
+        self.ds = ds
+        self.num_workers = num_workers
+
+    def __len__(self):
+        return len(self.ds)
+
+    def batches(self, batch_lists):
+        loader = torch.utils.data.DataLoader(
+            self.ds, batch_sampler=batch_lists, collate_fn=collate, num_workers=self.num_workers,
+            persistent_workers=False, prefetch_factor=4 if self.num_workers else None,
+        )
+        yield from loader
+
+
+class _OnlineSource:
+    kind = "online"
+
+    def __init__(self, feed: OnlineFeed):
+        self.feed = feed
+
+    def __len__(self):
+        return len(self.feed)
+
+    def batches(self, batch_lists):
+        for b in batch_lists:
+            yield self.feed.batch(b)
+
+
+class Feed:
+    """Iterable over this rank's micro-batches of one epoch; resumable via state_dict."""
+
+    def __init__(self, source, row_ids: np.ndarray, micro_batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1, split: str = "train", info: dict | None = None):
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.source = source
+        self.kind = source.kind
+        self.row_ids = np.asarray(row_ids, dtype=np.int64)
+        self.micro_batch_size = int(micro_batch_size)
+        self.seed, self.shuffle, self.rank, self.world_size, self.split = int(seed), shuffle, rank, world_size, split
+        self.info = info or {}
+        self.epoch = 0
+        self.position = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ids)
+
+    def global_batches(self, epoch: int) -> list[list[int]]:
+        ids = self.row_ids
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, epoch, 0x5EED])
+            ids = ids[rng.permutation(len(ids))]
+        mbs = self.micro_batch_size
+        out = [ids[i:i + mbs].tolist() for i in range(0, len(ids), mbs)]
+        keep = len(out) - len(out) % self.world_size
+        return out[:keep]
+
+    def batches(self, epoch: int | None = None) -> list[list[int]]:
+        """This rank's batches (lists of row indices) for an epoch."""
+        return self.global_batches(self.epoch if epoch is None else epoch)[self.rank::self.world_size]
+
+    def __len__(self) -> int:
+        n = -(-len(self.row_ids) // self.micro_batch_size)
+        return (n - n % self.world_size) // self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = int(epoch), 0
+
+    def __iter__(self):
+        """The remaining batches of the current epoch; afterwards the feed moves to the next epoch."""
+        if self.position >= len(self):
+            self.set_epoch(self.epoch + 1)
+        mine = self.batches()[self.position:]
+        for batch in self.source.batches(mine):
+            self.position += 1
+            yield batch
+        if self.position >= len(self):
+            self.set_epoch(self.epoch + 1)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "split": self.split,
+                "world_size": self.world_size, "micro_batch_size": self.micro_batch_size,
+                "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("seed", self.seed), ("world_size", self.world_size),
+                          ("micro_batch_size", self.micro_batch_size), ("num_rows", self.num_rows),
+                          ("split", self.split)):
+            if key in state and state[key] != mine:
+                raise DumpError(
+                    f"feed state was saved with {key}={state[key]!r}, this run has {mine!r}: the batch order "
+                    f"would differ, so the run cannot resume at the same batch"
+                )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def _expected_layer_ids(recipe, target, num_layers: int | None):
+    if recipe.head.aux_layer_ids is not None:
+        return list(recipe.head.aux_layer_ids)
+    if target is not None:
+        return target.default_aux_layer_ids()
+    from specheads.layer_ids import default_eagle3_layer_ids
+
+    return default_eagle3_layer_ids(num_layers)
+
+
+def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_size: int = 1, *,
+              rows=None, expected_config_hash: str | None = None, dtype: torch.dtype | None = None) -> Feed:
+    """Batches of ``recipe.train.micro_batch_size`` rows from the store (``dump.mode=offline``)
+    or from the target run on the token rows (``online``).
+
+    Offline: the store is checked against ``target.identity()`` when a target is given,
+    else against ``expected_config_hash`` (one of the two is required), and against the
+    head's aux layer ids. ``dtype`` casts aux/final (default: stored dtype, fp8 → bf16,
+    offline; the target's dtype online).
+    """
+    mode = recipe.dump.mode
+    if mode == "offline":
+        if target is None and expected_config_hash is None:
+            raise DumpError("an offline feed needs the target (or expected_config_hash) to check the store against")
+        manifest = open_manifest(recipe.dump_dir)
+        layer_ids = _expected_layer_ids(recipe, target, manifest["target"]["num_layers"])
+        ds = DumpDataset(recipe.dump_dir, expected_target=target.identity() if target is not None else None,
+                         expected_config_hash=expected_config_hash, expected_layer_ids=layer_ids, dtype=dtype)
+        source = _OfflineSource(ds, num_workers=recipe.train.num_workers)
+        info = {"target": ds.target, "aux_layer_ids": ds.aux_layer_ids, "hidden_size": ds.hidden_size,
+                "dtype": ds.stored}
+    elif mode == "online":
+        if target is None:
+            from specheads.dump.writer import _device_for, _load_target
+
+            device = _device_for(recipe, int(os.environ.get("LOCAL_RANK", "0")))
+            target = _load_target(recipe, device)
+        online = OnlineFeed(target, rows if rows is not None else recipe.rows_dir,
+                            aux_layer_ids=_expected_layer_ids(recipe, target, None), dtype=dtype)
+        source = _OnlineSource(online)
+        info = {"target": target.identity(), "aux_layer_ids": online.aux_layer_ids,
+                "hidden_size": target.hidden_size, "dtype": str(target.dtype).replace("torch.", "")}
+    else:
+        raise DumpError(f"dump.mode must be 'offline' or 'online', got {mode!r}")
+    ids = split_rows(len(source), recipe.train.eval_fraction, split)
+    return Feed(source, ids, recipe.train.micro_batch_size, seed=recipe.seed, shuffle=(split == "train"),
+                rank=rank, world_size=world_size, split=split, info=info)
