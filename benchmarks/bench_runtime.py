@@ -100,6 +100,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
+    ap.add_argument("--target", default="smollm2-135m", help="target to load (default: the bundled SmolLM2 GGUF)")
     ap.add_argument("--cuda-graphs", action="store_true")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -120,7 +121,7 @@ def main(argv=None):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 49152, (40 + 7 * (i % 8),), generator=g).tolist() for i in range(max(batches))]
     else:
-        tgt = load_target("smollm2-135m", dtype=dtype, device=a.device)
+        tgt = load_target(a.target, dtype=dtype, device=a.device)
         prompts = prompts_for(tgt.tokenizer, max(batches))
     max_seq = max(len(p) for p in prompts) + a.new_tokens + 64
     m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
