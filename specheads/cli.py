@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # clear one-line errors for the failures we name; tracebacks otherwise
         if getattr(e, "specheads_user_error", False) or type(e).__name__ in {
             "DataError", "TargetError", "DumpError", "DumpMismatchError", "ExportError", "TrainError", "EvalError",
-            "VocabError", "RuntimeInputError", "TemplateError", "FileNotFoundError", "RegenerateError",
+            "VocabError", "RuntimeInputError", "TemplateError", "FileNotFoundError", "RegenerateError", "VllmError",
         }:
             print(f"specheads: {type(e).__name__}: {e}", file=sys.stderr)
             return 1

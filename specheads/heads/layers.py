@@ -61,7 +61,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None)
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, out), 1.0
-    raise NotImplementedError(f"rope_type {rtype!r} is not supported by specheads heads")
+    raise NotImplementedError(f"rope_type {rtype!r} is not supported by specheads (default, linear, llama3)")
 
 
 class RotaryEmbedding(nn.Module):

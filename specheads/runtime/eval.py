@@ -350,6 +350,10 @@ def run_eval(s: EvalSettings, target=None) -> dict:
         return bar, (lambda n: bar.update(n))
 
     sampling = s.temperature > 0
+    # untimed warm-up: the first calls pay one-off costs (allocator, graph capture) that would
+    # otherwise land on the plain baseline and inflate every speedup
+    chat_generate(engine, tok, prompts[:1], **{**common, "max_new_tokens": min(8, s.max_new_tokens)},
+                  rule="onehot" if sampling else "greedy")
     bar, cb = progress_bar("plain")
     plain, plain_s = chat_generate(engine, tok, prompts, rule="onehot" if sampling else "greedy", progress=cb, **common)
     bar.close()
@@ -399,7 +403,7 @@ def run_eval(s: EvalSettings, target=None) -> dict:
     if s.engine == "vllm":
         from specheads.runtime import vllm_compare
 
-        report = vllm_compare.add_vllm_runs(report, s, prompts)
+        report = vllm_compare.add_vllm_runs(report, s, prompts, target=target, plain=plain)
     paths = write_report(report, s.out)
     print(f"report: {paths['md']} ({len(paths['plots'])} plots)")
     return report
@@ -407,6 +411,10 @@ def run_eval(s: EvalSettings, target=None) -> dict:
 
 def main(args) -> int:
     s = settings_from_args(args)
+    if s.engine == "vllm":
+        from specheads.runtime.vllm_compare import find_vllm_python
+
+        find_vllm_python()  # a missing or unsupported vLLM fails before any of our runs
     if getattr(args, "dry_run", False):
         print(json.dumps({"target": s.target, "prompts": s.prompts, "runs": [r.__dict__ for r in s.runs],
                           "out": str(s.out)}, indent=2, default=str))

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specheads.heads.layers import rope_inv_freq  # one RoPE implementation for heads and engine
+
 
 # --------------------------------------------------------------------------------------------
 # Config
@@ -98,28 +100,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for default and llama3 RoPE (as HF computes them)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv, 1.0
-    if kind == "linear":
-        return inv / float(scaling["factor"]), 1.0
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_ctx = float(scaling["original_max_position_embeddings"])
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
-        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        return torch.where(medium, smoothed, inv_l), 1.0
-    raise NotImplementedError(f"rope_type {kind!r}: build the engine with from_hf (it takes HF's tables)")
 
 
 def rope_tables(inv_freq: torch.Tensor, scale: float, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
