@@ -150,6 +150,8 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
         if a:
             ax.plot(range(1, len(a) + 1), a, marker="o", label=r["name"])
             plotted += 1
+    max_pos = max((len(r.get("metrics", {}).get("alpha", [])) for r in runs), default=0)
+    ax.set_xticks(range(1, max_pos + 1))
     ax.set_xlabel("draft position i")
     ax.set_ylabel("α_i")
     ax.set_ylim(0, 1.02)
