@@ -361,7 +361,10 @@ def test_sglang_loader_reads_specforge_checkpoint(tmp_path):
 
 def test_card(tmp_path):
     speculators.save(e3(), META, tmp_path)
-    (tmp_path / "report.json").write_text(json.dumps({"acceptance_length": 2.1, "acceptance_rate": 0.4}))
+    (tmp_path / "report.json").write_text(json.dumps({"prompts": {"count": 4, "source": "p.jsonl"}, "runs": [
+        {"name": "head k=3 greedy", "metrics": {"tau": 2.1, "vllm_mean_acceptance_length": 2.3, "acceptance_rate": 0.4,
+                                                "alpha": [0.7, 0.5, 0.3]}, "speedup": 1.6,
+         "lossless": {"kind": "greedy", "identical": 4, "total": 4}}]}))
     p = card.write_card(tmp_path, report_json=tmp_path / "report.json", model_path="DIR")
     text = p.read_text()
     assert ("vllm serve org/tiny-target --speculative-config "
@@ -369,4 +372,4 @@ def test_card(tmp_path):
     assert ("python -m sglang.launch_server --model org/tiny-target --speculative-algorithm EAGLE3 "
             "--speculative-draft-model-path DIR --speculative-num-steps 3 --speculative-eagle-topk 1 "
             "--speculative-num-draft-tokens 4") in text
-    assert "acceptance length" in text and "2.1" in text
+    assert "| head k=3 greedy | specheads | 2.10 | 2.30 | 0.40 | 0.70 0.50 0.30 | 1.60 | 4/4 identical |" in text

@@ -20,7 +20,8 @@ torch.set_num_threads(1)
 @pytest.fixture
 def run(tmp_path):
     head = tiny.eagle3_head()
-    tiny.fake_run(tmp_path / "run", head, eval_report={"acceptance_length": 2.25, "acceptance_rate": 0.61})
+    tiny.fake_run(tmp_path / "run", head, eval_report={"runs": [
+        {"name": "head k=3 greedy", "metrics": {"tau": 2.25, "acceptance_rate": 0.61, "alpha": [0.8]}}]})
     return tmp_path / "run", head
 
 

@@ -20,6 +20,29 @@ def launch_lines(target: str, d: str, k: int, fmt: str = "speculators") -> dict[
     return lines
 
 
+def acceptance_section(rep: dict, source: str) -> list[str]:
+    """The runs of a `specheads eval` report.json as a table (same definitions as the report)."""
+    p, st = rep.get("prompts", {}), rep.get("settings", {})
+    md = ["## Measured acceptance", "",
+          f"From `{source}` ({rep.get('created', '?')}): {p.get('count', '?')} prompts of {p.get('source', '?')}, "
+          f"max_new_tokens {st.get('max_new_tokens')}, temperature {st.get('temperature')}, device {st.get('device')}. "
+          "τ = tokens per target decode forward over all decode forwards; vLLM τ = 1 + accepted / drafts.", "",
+          "| run | engine | τ | vLLM τ | acceptance rate | α_i | speedup | lossless |", "|---|---|---|---|---|---|---|---|"]
+
+    def f(x):
+        return "—" if x is None else (f"{x:.2f}" if isinstance(x, float) else str(x))
+
+    for r in rep.get("runs", []):
+        m = r.get("metrics", {})
+        ll = r.get("lossless") or {}
+        lossless = (f"{ll.get('identical')}/{ll.get('total')} identical" if ll.get("kind") == "greedy"
+                    else ("χ² pass" if ll.get("passed") else "χ² fail") if ll else "—")
+        md.append(f"| {r.get('name')} | {r.get('engine', 'specheads')} | {f(m.get('tau'))} | "
+                  f"{f(m.get('vllm_mean_acceptance_length'))} | {f(m.get('acceptance_rate'))} | "
+                  f"{' '.join(f(a) for a in m.get('alpha', []))} | {f(r.get('speedup'))} | {lossless} |")
+    return md + [""]
+
+
 def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = None, report_json=None,
                target: str | None = None, model_path: str | None = None) -> Path:
     out = Path(out_dir)
@@ -48,16 +71,7 @@ def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = Non
     if meta.training:
         md += ["## Training", "", "```json", json.dumps(meta.training, indent=2, default=str), "```", ""]
     if report_json:
-        rep = json.loads(Path(report_json).read_text())
-        md += ["## Measured acceptance", ""]
-        keys = [("acceptance_length", "acceptance length τ (tokens per decode forward)"),
-                ("vllm_acceptance_length", "vLLM figure 1 + accepted/drafts"),
-                ("acceptance_rate", "acceptance rate"), ("per_position_acceptance", "α_i per position"),
-                ("speedup", "speedup")]
-        for key, label in keys:
-            if key in rep:
-                md.append(f"- {label}: {rep[key]}")
-        md += ["", "```json", json.dumps(rep, indent=2, default=str), "```", ""]
+        md += acceptance_section(json.loads(Path(report_json).read_text()), str(report_json))
     md += ["## Serve", "", "vLLM:", "", "```bash", lines["vllm"], "```", "", "SGLang:", "", "```bash",
            lines["sglang"], "```", ""]
     p = out / "README.md"

@@ -406,7 +406,20 @@ def run_eval(s: EvalSettings, target=None) -> dict:
         report = vllm_compare.add_vllm_runs(report, s, prompts, target=target, plain=plain)
     paths = write_report(report, s.out)
     print(f"report: {paths['md']} ({len(paths['plots'])} plots)")
+    _update_model_cards(s, paths["json"])
     return report
+
+
+def _update_model_cards(s: EvalSettings, report_json: str) -> None:
+    """Evaluated specheads exports get the measured acceptance in their model card."""
+    from specheads.export.card import write_card
+
+    for d in dict.fromkeys(r.drafter for r in s.runs if r.drafter != "ngram"):
+        if (Path(d) / "specheads.json").is_file():
+            try:
+                write_card(d, report_json=report_json)
+            except OSError as e:  # a read-only head directory keeps its card
+                print(f"model card of {d} not updated: {e}")
 
 
 def main(args) -> int:
