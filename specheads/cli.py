@@ -210,7 +210,8 @@ def _dispatch(args) -> int:
         from specheads.train.loop import run_train
 
         summary = run_train(recipe)
-        print(json.dumps(summary, indent=2, default=str))
+        # the per-step losses live in metrics.jsonl; the console gets the headline
+        print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2, default=str))
         return 0
 
     if cmd == "export":
