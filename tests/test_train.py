@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import shutil
 
 import pytest
@@ -264,7 +265,9 @@ r = recipe_from_dict({"run_dir": run_dir, "head": {"kind": "eagle3", "aux_layer_
                                 "loss_kernel": "torch", "resume": resume, "logging": {"wandb": "disabled"}}})
 s = run_train(r, target=tgt, feed=SyntheticFeed(tgt, seed=rank), vocab=synthetic_vocab(tgt, 128),
               eval_feed=SyntheticFeed(tgt, seed=10 + rank, shuffle=False), progress=False)
-print("RESULT", json.dumps({"rank": rank, "world": s["world_size"], "losses": s["losses"]}))
+# a file per rank: two processes sharing one stdout pipe can lose or interleave lines at teardown
+with open(os.path.join(run_dir, f"result_rank{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "world": s["world_size"], "losses": s["losses"]}, f)
 '''
 
 
@@ -285,7 +288,9 @@ def test_two_ranks_under_torchrun_with_resume(tmp_path):
                             "--master_port", str(port), str(script), str(run_dir), "1" if resume else "0"],
                            capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        return [json.loads(ln.split("RESULT ", 1)[1]) for ln in p.stdout.splitlines() if "RESULT " in ln]
+        files = sorted(Path(run_dir).glob("result_rank*.json"))
+        assert files, p.stdout[-3000:] + p.stderr[-3000:]
+        return [json.loads(f.read_text()) for f in files]
 
     a = launch(tmp_path / "a", False)
     assert len(a) == 2 and all(x["world"] == 2 for x in a) and a[0]["losses"] == a[1]["losses"]
