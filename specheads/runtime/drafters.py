@@ -108,12 +108,17 @@ def _pick(ctx: DraftContext, logits_t: torch.Tensor):
 class NGramDrafter(Drafter):
     """Prompt lookup: match the last n tokens (n = max_ngram .. min_ngram, longest first) in the
     request's own history (prompt + generated); take the right-most earlier occurrence and
-    propose up to k tokens that followed it. Proposes nothing when no n-gram matches."""
+    propose up to k tokens that followed it. Proposes nothing when no n-gram matches.
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 4):
+    ``occurrence="earliest"`` takes the left-most match instead, which is vLLM's rule (its
+    n-gram proposer), so the two engines can be compared draft for draft."""
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 4, occurrence: str = "latest"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        if occurrence not in ("latest", "earliest"):
+            raise ValueError(f"occurrence must be 'latest' or 'earliest', got {occurrence!r}")
+        self.min_ngram, self.max_ngram, self.occurrence = min_ngram, max_ngram, occurrence
 
     def lookup(self, history: list[int], k: int) -> list[int]:
         arr = np.asarray(history, dtype=np.int64)
@@ -123,7 +128,7 @@ class NGramDrafter(Drafter):
             win = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)   # starts 0 .. L-1-n
             hits = np.nonzero((win == suffix).all(axis=1))[0]
             if len(hits):
-                i = int(hits[-1])
+                i = int(hits[-1] if self.occurrence == "latest" else hits[0])
                 return arr[i + n:i + n + k].tolist()
         return []
 

@@ -398,29 +398,12 @@ def cross_engine_identity(ours, theirs: dict) -> dict:
     return {"total": total, "same_prompt_ids": same_prompt, "same_output": same_out, "divergences": first_diff}
 
 
-class VllmRuleNGramDrafter:
+def VllmRuleNGramDrafter(min_ngram: int = 1, max_ngram: int = 4):
     """Our n-gram drafter with vLLM's matching rule (longest n-gram, then the EARLIEST occurrence).
+    Imported lazily so that importing this module needs no torch."""
+    from specheads.runtime.drafters import NGramDrafter
 
-    Built lazily on NGramDrafter so that importing this module needs no torch."""
-
-    def __new__(cls, min_ngram: int = 1, max_ngram: int = 4):
-        from specheads.runtime.drafters import NGramDrafter
-
-        class _VllmRule(NGramDrafter):
-            def lookup(self, history, k):
-                import numpy as np
-
-                arr = np.asarray(history, dtype=np.int64)
-                L = len(arr)
-                for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
-                    win = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)
-                    hits = np.nonzero((win == arr[L - n:]).all(axis=1))[0]
-                    if len(hits):
-                        i = int(hits[0])                       # vLLM: the left-most occurrence
-                        return arr[i + n:i + n + k].tolist()
-                return []
-
-        return _VllmRule(min_ngram, max_ngram)
+    return NGramDrafter(min_ngram, max_ngram, occurrence="earliest")
 
 
 def _max_model_len(conversations: list[dict], max_new_tokens: int, k: int, prompt_lens: list[int]) -> int:
