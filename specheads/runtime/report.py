@@ -126,6 +126,13 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     paths = []
     names = [r["name"] for r in runs]
 
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        p = out_dir / name
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(str(p))
+
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(runs) + 2), 3.8))
     taus = [r.get("metrics", {}).get("tau", float("nan")) for r in runs]
     vt = [r.get("metrics", {}).get("vllm_mean_acceptance_length", float("nan")) for r in runs]
@@ -137,11 +144,7 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.legend(fontsize=8)
     ax.set_title("Acceptance length")
-    fig.tight_layout()
-    p = out_dir / "acceptance_length.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(str(p))
+    save(fig, "acceptance_length.png")
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     plotted = 0
@@ -158,11 +161,7 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     ax.set_title("Per-position acceptance")
     if plotted:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    p = out_dir / "alpha_by_position.png"
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    paths.append(str(p))
+    save(fig, "alpha_by_position.png")
 
     cats = sorted({c for r in runs for c in (r.get("per_category") or {})})
     if cats:
@@ -176,11 +175,7 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
         ax.set_ylabel("τ")
         ax.set_title("τ per prompt category")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        p = out_dir / "tau_by_category.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(str(p))
+        save(fig, "tau_by_category.png")
 
     b = report.get("baseline") or {}
     tps = [r.get("tokens_per_s") for r in runs]
@@ -192,11 +187,7 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
         ax.set_xticks(range(len(vals)), labels, rotation=20, ha="right")
         ax.set_ylabel("generated tokens / s")
         ax.set_title("Throughput with and without drafting")
-        fig.tight_layout()
-        p = out_dir / "throughput.png"
-        fig.savefig(p, dpi=120)
-        plt.close(fig)
-        paths.append(str(p))
+        save(fig, "throughput.png")
     return paths
 
 
