@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 RECIPE  ?= recipes/smollm2_eagle3.yaml
 ARGS    ?=
 
-.PHONY: install demo test test-fast clean-demo
+.PHONY: install demo test test-fast clean-demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,5 +33,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not vllm and not speculators"
 
+# the demo's run directory (~0.6 GB: regenerated data, token rows, dump, checkpoints, exports, report)
 clean-demo:
 	rm -rf runs/smollm2_eagle3
+
+# everything the two commands create except .venv: runs/ and the vLLM / speculators reader
+# environments that `make test` builds under .cache/venvs (~5.8 GB)
+clean:
+	rm -rf runs .cache wandb

@@ -1,9 +1,11 @@
 """specheads command line: parse, load a recipe, call one stage.
 
-Every stage command takes a recipe file and dotted ``key=value`` overrides;
-``--dry-run`` prints the resolved recipe and what would run without loading
-any weights. Stage modules are imported lazily so that ``--help`` and
-``--dry-run`` stay instant.
+Every stage is ``run_<stage>(recipe)``. A stage command takes a recipe file
+and dotted ``key=value`` overrides; the flags of ``export`` and ``eval`` are
+turned into overrides of the same recipe keys, so a flag and the recipe can
+never disagree. ``--dry-run`` prints the resolved recipe and what would run
+without loading any weights. Stage modules are imported lazily so that
+``--help`` and ``--dry-run`` stay instant.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from specheads.config import RecipeError, load_recipe
+from specheads.config import Recipe, RecipeError, load_recipe
+from specheads.errors import SpecheadsError, UsageError
 
 STAGES = {
     "data prepare": "conversations → token rows (chat template + assistant-only loss mask)",
@@ -35,8 +38,36 @@ def _add_recipe_args(p: argparse.ArgumentParser, optional: bool = False) -> None
     p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the plan; load nothing")
 
 
+def _recipe_default(key: str):
+    """The schema's default of a dotted recipe key (what a flag falls back to without a recipe value)."""
+    node = Recipe()
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+# eval without a recipe: every prompt, and only the drafters named on the command line
+EVAL_STANDALONE = {"eval.split": "all", "data.holdout_fraction": 0, "eval.limit": None, "eval.head": [],
+                   "eval.compare": []}
+
+
+def _document_defaults(p: argparse.ArgumentParser, flags: dict[str, str], standalone: dict | None = None) -> None:
+    """Every flag's help names its recipe key and that key's default."""
+    for action in p._actions:
+        key = flags.get(action.dest)
+        if key and action.help and "default" not in action.help:
+            if standalone and key in standalone:
+                action.help += (f"; default: the recipe's value ({_recipe_default(key)!r} in the schema), "
+                                f"{standalone[key]!r} without a recipe")
+            else:
+                action.help += f"; default: the recipe's value, else {_recipe_default(key)!r}"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from specheads import __version__
+
     ap = argparse.ArgumentParser(prog="specheads", description="Train, export and measure speculative-decoding draft heads.")
+    ap.add_argument("--version", action="version", version=f"specheads {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="data stages").add_subparsers(dest="data_command", required=True)
@@ -53,50 +84,104 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help=STAGES["export"])
     p.add_argument("source", nargs="?", help="recipe YAML, run directory or checkpoint directory")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides when SOURCE is a recipe")
-    p.add_argument("--format", choices=["speculators", "sglang", "eagle", "mtp"])
-    p.add_argument("--out", help="output directory")
-    p.add_argument("--k", type=int, help="number of speculative tokens written into the config")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides (the recipe's, or the run's recorded one)")
+    p.add_argument("--format", choices=["speculators", "sglang", "eagle", "mtp"], help="= export.format")
+    p.add_argument("--out", help="output directory (= export.out; default: {run_dir}/export/{format})")
+    p.add_argument("--k", type=int, help="number of speculative tokens written into the config (= export.k)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="= export.dtype")
     p.add_argument("--from", dest="from_dir", metavar="DIR", help="convert an exported head (any supported format)")
     p.add_argument("--check", metavar="DIR", help="validate an exported directory as vLLM and SGLang would read it")
     p.add_argument("--target", help="with --check: the target the head must match (checks verifier, vocab, hidden size)")
-    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print what would run; load nothing")
+    _document_defaults(p, EXPORT_FLAGS)
 
     p = sub.add_parser("eval", help=STAGES["eval"])
-    p.add_argument("recipe", nargs="?", help="recipe YAML (optional when --target/--head/--prompts are given)")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--target", help="target: HF id, directory, .gguf or smollm2-135m")
-    p.add_argument("--head", action="append", help="head directory (repeat to compare several heads)")
-    p.add_argument("--prompts", help="prompt file (any supported format) or builtin:demo_prompts")
-    p.add_argument("--k", type=int, action="append", help="draft length (repeat to compare several k)")
-    p.add_argument("--tree", help="EAGLE-2 tree: depth,topk,tokens")
-    p.add_argument("--temperature", type=float)
+    p.add_argument("recipe", nargs="?", help="recipe YAML (optional when --target/--prompts/--out are given)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. eval.limit=8)")
+    p.add_argument("--target", help="target: HF id, directory, .gguf or smollm2-135m (= target.source)")
+    p.add_argument("--head", action="append", help="head directory (repeat to compare several heads; = eval.head)")
+    p.add_argument("--prompts", help="prompt file (any supported format) or builtin:demo_prompts (= eval.prompts)")
+    p.add_argument("--k", type=int, action="append", help="draft length (repeat to compare several k; = eval.k)")
+    p.add_argument("--tree", help="EAGLE-2 tree: depth,topk,tokens (= eval.tree)")
+    p.add_argument("--temperature", type=float, help="= eval.temperature")
     p.add_argument("--rule", action="append", choices=["greedy", "rejection", "onehot", "tree_target_only"],
-                   help="verification rule (repeat to compare rules)")
-    p.add_argument("--compare", action="append", help="extra drafters to compare: ngram")
-    p.add_argument("--engine", choices=["specheads", "vllm"], default="specheads",
-                   help="vllm: also run the same prompts in vLLM and put both side by side")
+                   help="verification rule (repeat to compare rules; = eval.rule)")
+    p.add_argument("--compare", action="append", choices=["ngram"], help="weightless drafters to compare (= eval.compare)")
+    p.add_argument("--engine", choices=["specheads", "vllm"],
+                   help="vllm: also run the same prompts in vLLM and put both side by side (= eval.engine)")
     p.add_argument("--thresholds", help="tree_target_only: also run relaxed thresholds single,acc (e.g. 0.05,0.5); "
-                   "the report must show they fail the χ² test")
-    p.add_argument("--chi-square-draws", type=int, help="sampled draws per prompt for the χ² lossless check")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--limit", type=int)
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--out", help="report directory")
-    p.add_argument("--dry-run", action="store_true")
+                   "the report must show they fail the χ² test (= eval.thresholds)")
+    p.add_argument("--chi-square-draws", type=int,
+                   help="sampled draws per prompt for the χ² lossless check (= eval.chi_square_draws)")
+    p.add_argument("--batch-size", type=int, help="= eval.batch_size")
+    p.add_argument("--limit", type=int, help="= eval.limit")
+    p.add_argument("--max-new-tokens", type=int, help="= eval.max_new_tokens")
+    p.add_argument("--out", help="report directory (= eval.out; default: {run_dir}/eval)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the plan; load nothing")
+    _document_defaults(p, EVAL_FLAGS, EVAL_STANDALONE)
     return ap
 
 
-def _print_plan(recipe, stage: str, what: list[str]) -> None:
+# --- flags -> recipe overrides --------------------------------------------------------------
+
+
+def _flag_overrides(args, mapping: dict[str, str]) -> list[str]:
+    """``key=value`` overrides for the flags that were given (values as JSON, which YAML reads)."""
+    out = []
+    for attr, key in mapping.items():
+        v = getattr(args, attr, None)
+        if v is not None:
+            out.append(f"{key}={json.dumps(v)}")
+    return out
+
+
+EXPORT_FLAGS = {"format": "export.format", "out": "export.out", "k": "export.k", "dtype": "export.dtype"}
+EVAL_FLAGS = {"target": "target.source", "head": "eval.head", "prompts": "eval.prompts", "k": "eval.k",
+              "tree": "eval.tree", "temperature": "eval.temperature", "rule": "eval.rule", "compare": "eval.compare",
+              "engine": "eval.engine", "thresholds": "eval.thresholds", "chi_square_draws": "eval.chi_square_draws",
+              "batch_size": "eval.batch_size", "limit": "eval.limit", "max_new_tokens": "eval.max_new_tokens",
+              "out": "eval.out"}
+
+
+def eval_recipe(args) -> Recipe:
+    """The eval recipe: the file's (if any), then its overrides, then the flags."""
+    flags = _flag_overrides(args, EVAL_FLAGS)
+    if args.recipe:
+        return load_recipe(args.recipe, list(args.overrides) + flags)
+    missing = [f for f, attr in (("--target", "target"), ("--prompts", "prompts"), ("--out", "out"))
+               if getattr(args, attr) is None]
+    if missing:
+        raise RecipeError(f"eval without a recipe needs {', '.join(missing)}")
+    standalone = [f"{k}={json.dumps(v)}" for k, v in EVAL_STANDALONE.items()]
+    return load_recipe(None, standalone + list(args.overrides) + flags)
+
+
+def export_recipe(args) -> tuple[Recipe, Path | None]:
+    """(recipe, source dir or None): a recipe file, or the recipe a run recorded in its meta.json."""
+    overrides = list(args.overrides) + _flag_overrides(args, EXPORT_FLAGS)
+    p = Path(args.source)
+    if p.is_file():
+        if p.suffix not in (".yaml", ".yml", ".json"):
+            raise UsageError(f"{p}: SOURCE must be a recipe YAML, a run directory or a checkpoint directory")
+        return load_recipe(p, overrides), None
+    from specheads.export.stage import recipe_for_run
+
+    return recipe_for_run(p, overrides), p
+
+
+# --- dry-run plans --------------------------------------------------------------------------
+
+
+def _print_plan(recipe: Recipe | None, stage: str, what: list[str]) -> None:
     print(f"# specheads {stage} — dry run (nothing loaded)")
-    print(recipe.to_yaml().rstrip())
+    if recipe is not None:
+        print(recipe.to_yaml().rstrip())
     print("# would run:")
     for line in what:
         print(f"#   {line}")
 
 
-def _plan(recipe, stage: str) -> list[str]:
+def _plan(recipe: Recipe, stage: str) -> list[str]:
     t = recipe.target
     target = f"load target {t.source} ({t.dtype}, device {t.device}{', adapter ' + t.adapter if t.adapter else ''})"
     srcs = ", ".join(s.path for s in recipe.data.sources)
@@ -125,63 +210,76 @@ def _plan(recipe, stage: str) -> list[str]:
                 f"{tr.precision}, micro-batch {tr.micro_batch_size} × accum {tr.grad_accum}",
                 f"checkpoints and metrics under {recipe.train_dir}"]
     if stage == "export":
-        return [f"load the trained head from {recipe.train_dir}",
-                f"write {recipe.export.format} ({recipe.export.dtype}, k={recipe.export.k}) to {recipe.export_dir}",
-                "validate it as vLLM and SGLang would read it"]
+        x = recipe.export
+        return [f"load the trained head from {recipe.train_dir} (final/ or the latest checkpoint)",
+                f"write {x.format} ({x.dtype}, k={x.k}) to {recipe.export_dir}",
+                "validate it as vLLM and SGLang would read it; compare reloaded outputs with the trained head",
+                f"write README.md (with {recipe.eval_dir}/report.json when it exists)"]
     if stage == "eval":
         e = recipe.eval
+        head = e.head if e.head is not None else str(recipe.export_dir)
         return [target, f"prompts {e.prompts} (split {e.split}, limit {e.limit})",
-                f"generate ≤{e.max_new_tokens} tokens with and without drafting: head {e.head or recipe.export_dir}, "
-                f"k={e.k}, rule {e.rule}, temperature {e.temperature}, compare {e.compare}",
+                f"generate ≤{e.max_new_tokens} tokens with and without drafting: head {head}, "
+                f"k={e.k}, rule {e.rule}, temperature {e.temperature}, compare {e.compare}, engine {e.engine}",
                 f"write report.json, report.md and plots to {recipe.eval_dir}"]
     return []
 
 
-def _recipe(args):
-    return load_recipe(args.recipe, args.overrides)
+def train_summary(s: dict) -> str:
+    """Three lines for a person: what ran, how well it learnt, where it is."""
+    minutes = s["elapsed_s"] / 60
+    lines = [f"trained {s['kind']} head: steps {s['start_step']} → {s['steps']} of {s['total_steps']}, "
+             f"{s['tokens']:,} tokens at {s['tokens_per_s']:,.0f} tok/s ({s['train_loop_s'] / 60:.1f} min training, "
+             f"{minutes:.1f} min with set-up, evaluation and saving; {s['world_size']} process(es), {s['precision']})"]
+    ev = s.get("eval") or {}
+    if ev.get("loss") is not None:
+        acc = " · ".join(f"{a:.2f}" for a in ev.get("step_acc", []))
+        line = f"held-out: loss {ev['loss']:.3f}, accuracy per step {acc or '—'}"
+        if ev.get("sim_tau") is not None:
+            line += f", simulated τ {ev['sim_tau']:.2f}"
+        lines.append(line)
+    lines.append(f"head: {s['final_dir']}   metrics: {s['metrics']}   plots: {', '.join(s['plots']) or '—'}")
+    return "\n".join(lines)
+
+
+# --- dispatch -------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)
-    except RecipeError as e:
-        print(f"specheads: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # clear one-line errors for the failures we name; tracebacks otherwise
-        if getattr(e, "specheads_user_error", False) or type(e).__name__ in {
-            "DataError", "TargetError", "DumpError", "DumpMismatchError", "ExportError", "TrainError", "EvalError",
-            "VocabError", "RuntimeInputError", "TemplateError", "FileNotFoundError", "RegenerateError", "VllmError",
-        }:
-            print(f"specheads: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        raise
+    except SpecheadsError as e:
+        print(f"specheads: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2 if isinstance(e, RecipeError) else 1
+
+
+def _stage_recipe(args, stage: str):
+    """The recipe of a plain stage command, or None when --dry-run printed the plan."""
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.dry_run:
+        _print_plan(recipe, stage, _plan(recipe, stage))
+        return None
+    return recipe
 
 
 def _dispatch(args) -> int:
     cmd = args.command
     if cmd == "data":
-        stage = f"data {args.data_command}"
-        recipe = _recipe(args)
-        if args.dry_run:
-            _print_plan(recipe, stage, _plan(recipe, stage))
+        recipe = _stage_recipe(args, f"data {args.data_command}")
+        if recipe is None:
             return 0
         from specheads.data import stage as data_stage
 
-        if args.data_command == "prepare":
-            data_stage.run_prepare(recipe)
-        else:
-            data_stage.run_regenerate(recipe)
+        {"prepare": data_stage.run_prepare, "regenerate": data_stage.run_regenerate}[args.data_command](recipe)
         return 0
 
     if cmd == "vocab":
-        recipe = _recipe(args)
-        if args.dry_run:
-            _print_plan(recipe, "vocab", _plan(recipe, "vocab"))
-            return 0
-        from specheads.data import stage as data_stage
+        recipe = _stage_recipe(args, "vocab")
+        if recipe is not None:
+            from specheads.data.stage import run_vocab
 
-        data_stage.run_vocab(recipe)
+            run_vocab(recipe)
         return 0
 
     if cmd == "dump":
@@ -193,41 +291,84 @@ def _dispatch(args) -> int:
             return 0 if report.get("ok", False) else 1
         if not args.recipe:
             raise RecipeError("dump needs a recipe (or --inspect DIR)")
-        recipe = _recipe(args)
-        if args.dry_run:
-            _print_plan(recipe, "dump", _plan(recipe, "dump"))
-            return 0
-        from specheads.dump.writer import run_dump
+        recipe = _stage_recipe(args, "dump")
+        if recipe is not None:
+            from specheads.dump.writer import run_dump
 
-        run_dump(recipe)
+            run_dump(recipe)
         return 0
 
     if cmd == "train":
-        recipe = _recipe(args)
-        if args.dry_run:
-            _print_plan(recipe, "train", _plan(recipe, "train"))
-            return 0
-        from specheads.train.loop import run_train
+        recipe = _stage_recipe(args, "train")
+        if recipe is not None:
+            from specheads.train.loop import run_train
 
-        summary = run_train(recipe)
-        # the per-step losses live in metrics.jsonl; the console gets the headline
-        print(json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=2, default=str))
+            summary = run_train(recipe)
+            print(train_summary(summary))  # every number of the run is in metrics.jsonl
         return 0
 
     if cmd == "export":
-        from specheads.export import stage as export_stage
-
-        return export_stage.main(args)
+        return _export(args)
 
     if cmd == "eval":
-        if args.dry_run and args.recipe:
-            recipe = _recipe(args)
+        recipe = eval_recipe(args)
+        if args.dry_run:
             _print_plan(recipe, "eval", _plan(recipe, "eval"))
             return 0
-        from specheads.runtime import eval as eval_stage
+        from specheads.evaluate.stage import run_eval
 
-        return eval_stage.main(args)
+        run_eval(recipe)
+        return 0
     raise AssertionError(cmd)
+
+
+def _export(args) -> int:
+    """Three modes: export a trained head (the stage), --from DIR (convert), --check DIR (validate)."""
+    check, from_dir, source = args.check, args.from_dir, args.source
+    if check and from_dir:
+        raise UsageError("--check and --from are separate modes; give one")
+    if args.target and not check:
+        raise UsageError("--target goes with --check DIR (an export takes its target from the trained head)")
+    if (check or from_dir) and (source or args.overrides):
+        raise UsageError(f"{'--check' if check else '--from'} takes no SOURCE/overrides (got {source!r})")
+    if from_dir and not (args.format and args.out):
+        raise UsageError("--from DIR needs --format F and --out OUT")
+    if not (check or from_dir or source):
+        raise UsageError("give a SOURCE (recipe YAML, run directory or checkpoint directory), --from DIR or --check DIR")
+    if args.k is not None and not 1 <= args.k <= 16:
+        raise UsageError(f"--k {args.k}: the number of speculative tokens must be in 1..16")
+
+    if check:
+        if args.dry_run:
+            plan = [f"read {check}/config.json and tensor headers; check them as vLLM and SGLang read them"]
+            if args.target:
+                plan.append(f"read the config of {args.target} (no weights); compare verifier, vocab, hidden size")
+            _print_plan(None, "export", plan)
+            return 0
+        from specheads.export.stage import run_check
+
+        return run_check(check, args.target)
+    if from_dir:
+        if args.dry_run:
+            _print_plan(None, "export", [f"load the exported head in {from_dir} (format detected)",
+                                         f"write {args.format} ({args.dtype or 'bfloat16'}) to {args.out}",
+                                         "validate it and compare outputs with the source head"])
+            return 0
+        from specheads.export.stage import run_convert
+
+        run_convert(from_dir, args.format, args.out, dtype=args.dtype or "bfloat16", k=args.k)
+        return 0
+    recipe, source_dir = export_recipe(args)
+    if args.dry_run:
+        plan = _plan(recipe, "export")
+        if source_dir is not None:
+            plan[0] = f"load the trained head from {source_dir} (final/ or the latest checkpoint)"
+        _print_plan(recipe, "export", plan)
+        return 0
+    from specheads.export.stage import run_export
+
+    run_export(recipe, source_dir)
+    return 0
 
 
 if __name__ == "__main__":

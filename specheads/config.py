@@ -8,6 +8,7 @@ wrong head.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 from pathlib import Path
@@ -16,9 +17,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specheads.errors import SpecheadsError
 
-class RecipeError(ValueError):
+
+class RecipeError(SpecheadsError, ValueError):
     pass
+
+
+class StaleInputError(SpecheadsError, ValueError):
+    """An earlier stage's output was made from other recipe settings than this run's."""
 
 
 class _Section(BaseModel):
@@ -136,22 +143,59 @@ class ExportConfig(_Section):
     out: str | None = None  # default: {run_dir}/export/{format}
 
 
+Rule = Literal["greedy", "rejection", "onehot", "tree_target_only"]
+
+
 class EvalConfig(_Section):
+    # head, k and rule take one value or a list: every combination becomes a run of the report
     prompts: str = "builtin:demo_prompts"  # or a file; held-out rows when 'holdout'
     split: Literal["all", "holdout"] = "holdout"
     limit: int | None = 24
-    head: str | None = None  # default: the recipe's export
-    k: int = Field(3, ge=1, le=16)
+    head: str | list[str] | None = None  # default: the recipe's export; [] = weightless drafters only
+    k: int | list[int] = 3
     tree: str | None = None  # "depth,topk,tokens"
-    rule: Literal["greedy", "rejection", "onehot", "tree_target_only"] = "greedy"
+    rule: Rule | list[Rule] = "greedy"
     temperature: float = Field(0.0, ge=0.0)
     top_k: int = 0
     top_p: float = 1.0
+    thresholds: str | None = None  # "single,acc": also run tree_target_only with these relaxed thresholds
     max_new_tokens: int = 128
     batch_size: int = 1
-    compare: list[str] = Field(default_factory=lambda: ["ngram"])
+    compare: list[Literal["ngram"]] = Field(default_factory=lambda: ["ngram"])
     chi_square_draws: int = 0
+    engine: Literal["specheads", "vllm"] = "specheads"  # vllm: the same prompts in real vLLM, side by side
     out: str | None = None  # default: {run_dir}/eval
+
+    @field_validator("k")
+    @classmethod
+    def _k_range(cls, v):
+        for k in v if isinstance(v, list) else [v]:
+            if not 1 <= k <= 16:
+                raise ValueError(f"k={k} out of range 1..16")
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_shape(cls, v):
+        if v is not None:
+            parts = v.split(",")
+            if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+                raise ValueError(f"tree {v!r}: expected depth,topk,tokens (e.g. 4,4,16)")
+        return v
+
+    @field_validator("thresholds")
+    @classmethod
+    def _thresholds_shape(cls, v):
+        if v is not None:
+            try:
+                a, b = (float(x) for x in v.split(","))
+            except ValueError:
+                raise ValueError(f"thresholds {v!r}: expected single,acc (e.g. 0.05,0.5)") from None
+        return v
+
+    def as_list(self, field: str) -> list:
+        v = getattr(self, field)
+        return list(v) if isinstance(v, list) else ([] if v is None else [v])
 
 
 class Recipe(_Section):
@@ -169,8 +213,11 @@ class Recipe(_Section):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.eval.rule != "greedy" and self.eval.rule != "tree_target_only" and self.eval.temperature == 0:
-            raise ValueError(f"eval.rule={self.eval.rule!r} samples: it needs eval.temperature > 0")
+        for rule in self.eval.as_list("rule"):
+            if rule in ("rejection", "onehot") and self.eval.temperature == 0:
+                raise ValueError(f"eval.rule={rule!r} samples: it needs eval.temperature > 0")
+            if rule == "greedy" and self.eval.temperature > 0:
+                raise ValueError("eval.rule='greedy' is for temperature 0: use rejection, onehot or tree_target_only")
         if self.head.kind == "mtp" and self.head.mtp_loss_weights is not None:
             if len(self.head.mtp_loss_weights) != self.head.num_mtp_depths:
                 raise ValueError("head.mtp_loss_weights needs one weight per MTP depth")
@@ -215,6 +262,31 @@ class Recipe(_Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def stage_inputs(self, stage: str) -> dict:
+        """The recipe settings that decide what ``stage`` writes (dotted key -> value).
+
+        Each stage records these next to its output; the stage that reads the
+        output compares them with its own recipe (:func:`check_stage_inputs`), so
+        a changed ``data.sources`` can never silently reuse old conversations.
+        """
+        d, t = self.data, self.target
+        keys = {"target.source": t.source, "target.adapter": t.adapter, "target.chat_template": t.chat_template}
+        if stage == "regenerate":
+            g = d.regenerate
+            return {**keys, "data.sources": [x.model_dump() for x in d.sources],
+                    "data.holdout_fraction": d.holdout_fraction, "data.regenerate.max_new_tokens": g.max_new_tokens,
+                    "data.regenerate.temperature": g.temperature, "data.regenerate.top_p": g.top_p,
+                    "data.regenerate.top_k": g.top_k, "data.regenerate.max_prompt_tokens": g.max_prompt_tokens,
+                    "seed": self.seed}
+        if stage == "prepare":
+            upstream = self.stage_inputs("regenerate") if d.regenerate.enabled else {
+                **keys, "data.sources": [x.model_dump() for x in d.sources]}
+            return {**upstream, "data.regenerate.enabled": d.regenerate.enabled, "data.max_length": d.max_length,
+                    "data.holdout_fraction": d.holdout_fraction}
+        if stage == "vocab":
+            return {**self.stage_inputs("prepare"), "vocab.draft_vocab_size": self.vocab.draft_vocab_size}
+        raise ValueError(f"no recorded inputs for stage {stage!r}")
+
     def hash(self, *sections: str) -> str:
         """Hash of the named sections (all when none): what a checkpoint must match to resume."""
         import hashlib
@@ -223,6 +295,29 @@ class Recipe(_Section):
         if sections:
             d = {k: d[k] for k in sections}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stage_input_diff(recorded: dict | None, recipe: Recipe, stage: str) -> list[str]:
+    """The dotted keys whose recorded value differs from ``recipe``'s (none when nothing was recorded)."""
+    if recorded is None:
+        return []
+    want = json.loads(json.dumps(recipe.stage_inputs(stage)))  # the JSON form, as it was recorded
+    return [k for k in sorted(set(want) | set(recorded)) if recorded.get(k) != want.get(k)]
+
+
+def check_stage_inputs(recorded: dict | None, recipe: Recipe, stage: str, where: str | Path, rerun: str) -> None:
+    """Refuse ``where`` (written by ``stage``) when it was made from other settings than ``recipe``'s.
+
+    Outputs written before settings were recorded (``recorded`` is None) cannot be checked and pass.
+    """
+    diff = stage_input_diff(recorded, recipe, stage)
+    if diff:
+        want = json.loads(json.dumps(recipe.stage_inputs(stage)))
+        k = diff[0]
+        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:])})" if len(diff) > 1 else ""
+        raise StaleInputError(
+            f"{where} was made with {k}={json.dumps(recorded.get(k))}, this recipe has {k}={json.dumps(want.get(k))}"
+            f"{more}: rerun `{rerun}` (or point this run at another run_dir)")
 
 
 # --- loading ---------------------------------------------------------------------------------
@@ -242,6 +337,17 @@ def _model_for(cls: type[BaseModel], dotted: list[str]) -> type[BaseModel] | Non
     return cls
 
 
+def _all_keys(cls: type[BaseModel] = Recipe, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (``train.resume``, ``data.regenerate.temperature``, ...)."""
+    out = []
+    for name, f in cls.model_fields.items():
+        ann = f.annotation
+        out.append(prefix + name)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _all_keys(ann, prefix + name + ".")
+    return out
+
+
 def _unknown_key_message(loc: tuple, source: str) -> str:
     path = [str(p) for p in loc if not isinstance(p, int)]
     parent = _model_for(Recipe, path[:-1]) if path else None
@@ -249,8 +355,12 @@ def _unknown_key_message(loc: tuple, source: str) -> str:
     msg = f"{source}: unknown recipe key {'.'.join(path)!r}"
     if parent is not None:
         close = difflib.get_close_matches(key, list(parent.model_fields), n=1, cutoff=0.5)
+        # a key of another section ('resume' for 'train.resume') is the commonest slip
+        elsewhere = [k for k in _all_keys() if k.rsplit(".", 1)[-1] == key]
         if close:
             msg += f" — did you mean {'.'.join(path[:-1] + [close[0]])!r}?"
+        elif elsewhere:
+            msg += f" — did you mean {' or '.join(repr(k) for k in elsewhere)}?"
         else:
             msg += f" (known keys here: {', '.join(parent.model_fields)})"
     return msg
@@ -321,5 +431,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise RecipeError(f"{p}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise RecipeError(f"{p}: a recipe is a YAML mapping, got {type(data).__name__}")
-    data = apply_overrides(data, overrides or [])
-    return recipe_from_dict(data, source)
+    if not overrides:
+        return recipe_from_dict(data, source)
+    # the file alone first, so that a mistake is blamed on where it was made
+    recipe_from_dict(copy.deepcopy(data), source)
+    where = "command line" + (f" (overriding {source})" if path is not None else "")
+    return recipe_from_dict(apply_overrides(data, overrides), where)

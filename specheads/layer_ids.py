@@ -8,11 +8,17 @@ the same tensors by the decoder layer whose *output* they are, i.e. one less.
 
 from __future__ import annotations
 
+from specheads.errors import SpecheadsError
+
+
+class LayerIdError(SpecheadsError, ValueError):
+    """Aux layer ids that do not fit the target (out of range, duplicated, empty)."""
+
 
 def default_eagle3_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3 default for a target with ``num_layers`` decoder layers, HF index."""
     if num_layers < 4:
-        raise ValueError(f"EAGLE-3 needs a target with at least 4 decoder layers, got {num_layers}")
+        raise LayerIdError(f"EAGLE-3 needs a target with at least 4 decoder layers, got {num_layers}")
     return [2, num_layers // 2, num_layers - 3]
 
 
@@ -30,13 +36,23 @@ def check_layer_ids(ids: list[int], num_layers: int, *, where: str = "aux_layer_
     """Valid HF indices are 0..num_layers (num_layers = the final-normed state)."""
     ids = [int(i) for i in ids]
     if not ids:
-        raise ValueError(f"{where}: at least one layer id is needed")
+        raise LayerIdError(f"{where}: at least one layer id is needed")
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ValueError(
+        raise LayerIdError(
             f"{where}: layer id(s) {bad} out of range for a target with {num_layers} decoder layers "
             f"(valid Hugging Face hidden-state indices are 0..{num_layers})"
         )
     if len(set(ids)) != len(ids):
-        raise ValueError(f"{where}: duplicate layer ids {ids}")
+        raise LayerIdError(f"{where}: duplicate layer ids {ids}")
     return ids
+
+
+def resolve_aux_layer_ids(requested: list[int] | None, num_layers: int, *, where: str = "head.aux_layer_ids") -> list[int]:
+    """The aux layer ids a run uses: the recipe's when it names them, else the EAGLE-3 default.
+
+    Every stage (dump, online feed, trainer, export) resolves them here, so the
+    manifest, the head config and the export can never disagree.
+    """
+    ids = list(requested) if requested is not None else default_eagle3_layer_ids(num_layers)
+    return check_layer_ids(ids, num_layers, where=where)

@@ -7,17 +7,22 @@ paired with the wrong target, including a same-architecture fine-tune.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specheads.layer_ids import check_layer_ids, default_eagle3_layer_ids
+from specheads.errors import SpecheadsError
+from specheads.heads.config import rope_from_config
+from specheads.layer_ids import resolve_aux_layer_ids
 
 BUNDLED = {
     # name -> (pip package holding the file, file name)
@@ -25,6 +30,9 @@ BUNDLED = {
 }
 # What the bundled GGUF is a quantisation of: exports name it as their verifier.
 BUNDLED_HF_ID = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# Config facts of the bundled target, so config-only questions read nothing heavy.
+BUNDLED_FACTS = {"smollm2-135m": {"hidden_size": 576, "vocab_size": 49152, "num_hidden_layers": 30,
+                                  "model_type": "llama", "architectures": ["LlamaForCausalLM"]}}
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -33,7 +41,7 @@ DTYPES = {
 }
 
 
-class TargetError(ValueError):
+class TargetError(SpecheadsError, ValueError):
     pass
 
 
@@ -66,21 +74,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _rope_theta(cfg) -> float:
-    rp = getattr(cfg, "rope_parameters", None) or {}
-    if isinstance(rp, dict) and "rope_theta" in rp:
-        return float(rp["rope_theta"])
-    return float(getattr(cfg, "rope_theta", 10000.0))
-
-
-def _rope_scaling(cfg) -> dict | None:
-    rp = getattr(cfg, "rope_parameters", None)
-    if isinstance(rp, dict) and rp.get("rope_type", "default") != "default":
-        return {k: v for k, v in rp.items() if k != "rope_theta"}
-    rs = getattr(cfg, "rope_scaling", None)
-    return dict(rs) if rs else None
-
-
 def config_fingerprint(cfg) -> dict:
     """The config facts that decide whether two targets are interchangeable."""
     return {
@@ -91,7 +84,7 @@ def config_fingerprint(cfg) -> dict:
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
         "vocab_size": cfg.vocab_size,
-        "rope_theta": _rope_theta(cfg),
+        "rope_theta": rope_from_config(cfg)[0],
         "rms_norm_eps": float(getattr(cfg, "rms_norm_eps", 1e-6)),
     }
 
@@ -158,11 +151,11 @@ class Target:
 
     @property
     def rope_theta(self) -> float:
-        return _rope_theta(self.config)
+        return rope_from_config(self.config)[0]
 
     @property
     def rope_scaling(self) -> dict | None:
-        return _rope_scaling(self.config)
+        return rope_from_config(self.config)[1]
 
     @property
     def verifier_name(self) -> str:
@@ -191,11 +184,9 @@ class Target:
             "adapter": self.adapter,
         }
 
-    def default_aux_layer_ids(self) -> list[int]:
-        return default_eagle3_layer_ids(self.num_layers)
-
-    def check_layer_ids(self, ids, where: str = "aux_layer_ids") -> list[int]:
-        return check_layer_ids(list(ids), self.num_layers, where=where)
+    def aux_layer_ids(self, requested: list[int] | None = None, where: str = "head.aux_layer_ids") -> list[int]:
+        """The recipe's aux layer ids checked against this target, or the EAGLE-3 default."""
+        return resolve_aux_layer_ids(requested, self.num_layers, where=where)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -220,7 +211,7 @@ class Target:
         needed (the trainer recomputes target logits from ``final``), and
         hooks capture just the requested layers instead of all L+1 states.
         """
-        ids = self.check_layer_ids(aux_layer_ids if aux_layer_ids is not None else self.default_aux_layer_ids())
+        ids = self.aux_layer_ids(aux_layer_ids, where="aux_layer_ids")
         captured: dict[int, torch.Tensor] = {}
         handles = []
         layers = self.decoder.layers
@@ -246,27 +237,121 @@ class Target:
         return self.lm_head(final.to(self.lm_head.weight.dtype))
 
 
-def _load_tokenizer_and_model(source: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _gguf_path(source: str) -> Path | None:
     if source in BUNDLED:
-        path = bundled_gguf_path(source)
-        return _load_gguf(path, dtype) + (source,)
-    p = Path(source)
+        return bundled_gguf_path(source)
     if source.endswith(".gguf"):
+        p = Path(source)
         if not p.is_file():
             raise TargetError(f"GGUF file not found: {source}")
-        return _load_gguf(p, dtype) + (p.stem,)
+        return p
+    return None
+
+
+def _check_hf_source(source: str) -> None:
+    p = Path(source)
     if p.exists() and not (p / "config.json").is_file():
         raise TargetError(f"{source}: not a model directory (no config.json)")
+
+
+def _hub_error(source: str, e: Exception) -> TargetError:
+    return TargetError(
+        f"could not load target {source!r}: {str(e).splitlines()[0] if str(e) else e}. Give a local directory, "
+        f"a .gguf file, a Hugging Face hub id reachable from this machine, or 'smollm2-135m' (bundled).")
+
+
+def _finish_tokenizer(tok, source: str, chat_template: str | None, require_chat_template: bool):
+    if chat_template:
+        tp = Path(chat_template)
+        tok.chat_template = tp.read_text() if tp.is_file() else chat_template
+    if require_chat_template and not getattr(tok, "chat_template", None):
+        raise TargetError(
+            f"tokenizer of {source!r} has no chat template; set target.chat_template in the recipe "
+            f"(a Jinja string or a file path)"
+        )
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_tokenizer(source: str, *, chat_template: str | None = None, require_chat_template: bool = True):
+    """The target's tokenizer alone (no weights): what the data stages need."""
+    from transformers import AutoTokenizer
+
+    gguf = _gguf_path(source)
+    if gguf is not None:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        _check_hf_source(source)
+        try:
+            tok = AutoTokenizer.from_pretrained(source)
+        except OSError as e:
+            raise _hub_error(source, e) from e
+    return _finish_tokenizer(tok, source, chat_template, require_chat_template)
+
+
+def target_facts(source: str) -> dict:
+    """Config facts of a target without its weights: hidden_size, vocab_size, num_hidden_layers,
+    model_type, architectures, the verifier name exports write, and the names it goes by."""
+    if source in BUNDLED_FACTS:
+        return {**BUNDLED_FACTS[source], "verifier": BUNDLED_HF_ID[source], "aliases": {source}}
+    from transformers import AutoConfig
+
+    gguf = _gguf_path(source)
+    try:
+        if gguf is not None:
+            cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        else:
+            _check_hf_source(source)
+            cfg = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise _hub_error(source, e) from None
+    c = getattr(cfg, "text_config", None) or cfg
+    p = Path(source)
+    return {"hidden_size": int(c.hidden_size), "vocab_size": int(c.vocab_size),
+            "num_hidden_layers": int(c.num_hidden_layers), "model_type": c.model_type,
+            "architectures": list(getattr(cfg, "architectures", None) or []),
+            "verifier": source, "aliases": {source, str(p.resolve()) if p.exists() else source}}
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers draws two bars per load (GGUF de-quantisation, weights); the stage says one line instead."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    # the GGUF reader uses plain tqdm, which transformers' switch does not reach
+    gguf_tqdm = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+def _load_tokenizer_and_model(source: str, dtype: torch.dtype):
+    with _quiet_loading():
+        return _load_tokenizer_and_model_loud(source, dtype)
+
+
+def _load_tokenizer_and_model_loud(source: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path(source)
+    if gguf is not None:
+        return _load_gguf(gguf, dtype) + (source if source in BUNDLED else gguf.stem,)
+    _check_hf_source(source)
     try:
         tok = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except OSError as e:
-        raise TargetError(
-            f"could not load target {source!r}: {e}. Give a local directory, a .gguf file, "
-            f"a Hugging Face hub id reachable from this machine, or 'smollm2-135m' (bundled)."
-        ) from e
+        raise _hub_error(source, e) from e
     return tok, model, source
 
 
@@ -297,24 +382,33 @@ def load_target(
 ) -> Target:
     """Load and freeze a target. ``adapter`` is a PEFT LoRA directory merged into the weights."""
     torch_dtype = resolve_dtype(dtype)
+    if adapter and not Path(adapter).is_dir():  # before the weights load
+        raise TargetError(f"adapter directory not found: {adapter}")
+    t0 = time.perf_counter()
+    print(f"loading target {source} ({str(torch_dtype).removeprefix('torch.')}, {device})...", end="",
+          file=sys.stderr, flush=True)
     tok, model, name = _load_tokenizer_and_model(source, torch_dtype)
     if adapter:
-        if not Path(adapter).is_dir():
-            raise TargetError(f"adapter directory not found: {adapter}")
         from peft import PeftModel
 
         # Users serve fine-tuned targets: the head must see the adapted hidden states.
         model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    if chat_template:
-        tp = Path(chat_template)
-        tok.chat_template = tp.read_text() if tp.is_file() else chat_template
-    if require_chat_template and not getattr(tok, "chat_template", None):
-        raise TargetError(
-            f"tokenizer of {source!r} has no chat template; set target.chat_template in the recipe "
-            f"(a Jinja string or a file path)"
-        )
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    tok = _finish_tokenizer(tok, source, chat_template, require_chat_template)
     model = model.to(resolve_device(device)).eval()
     model.requires_grad_(False)
+    print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return Target(model=model, tokenizer=tok, name=name, source=source, adapter=adapter)
+
+
+def load_target_for(recipe, *, device: str | None = None, dtype: str | None = None,
+                    require_chat_template: bool = True) -> Target:
+    """The recipe's target (source, dtype, device, adapter, chat template) — the one way stages load it."""
+    t = recipe.target
+    return load_target(t.source, dtype=dtype or t.dtype, device=str(device or t.device), adapter=t.adapter,
+                       chat_template=t.chat_template, require_chat_template=require_chat_template)
+
+
+def load_tokenizer_for(recipe, *, require_chat_template: bool = True):
+    """The recipe's target tokenizer (chat template applied), without loading weights."""
+    t = recipe.target
+    return load_tokenizer(t.source, chat_template=t.chat_template, require_chat_template=require_chat_template)

@@ -559,14 +559,14 @@ def test_prepare_rows_num_proc_matches_serial(tmp_path, smol):
 
 
 def test_stage_run_vocab(tmp_path, smol):
-    from types import SimpleNamespace
-
+    from specheads.config import load_recipe
     from specheads.data.stage import run_vocab
     from specheads.data.vocab import load_vocab
 
     src = write_jsonl(tmp_path / "q.jsonl", [{"question": f"What is {i}+{i}?", "answer": f"It is {2 * i}."} for i in range(10)])
     prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "rows", extra={"target_vocab_size": len(smol)})
-    recipe = SimpleNamespace(rows_dir=tmp_path / "rows", vocab_dir=tmp_path / "vocab", vocab=SimpleNamespace(draft_vocab_size=64))
+    recipe = load_recipe(None, [f"data.rows_dir={tmp_path / 'rows'}", f"vocab.out={tmp_path / 'vocab'}",
+                                "vocab.draft_vocab_size=64"])
     stats = run_vocab(recipe)
     d2t, t2d, saved = load_vocab(tmp_path / "vocab")
     assert d2t.shape == (64,) and t2d.shape == (len(smol),) and stats["coverage"] == 1.0 == saved["coverage"]

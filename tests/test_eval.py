@@ -1,20 +1,20 @@
 """specheads eval and data regenerate on a tiny random target with SmolLM2's tokenizer."""
 import json
 import random
-import types
 
 import pytest
 
-from specheads.cli import main
-from specheads.runtime.eval import EvalError, EvalSettings, RunSpec, chi_square_two_sample, run_eval, validate_settings
+from specheads.cli import build_parser, eval_recipe, main
+from specheads.config import RecipeError
+from specheads.evaluate.lossless import chi_square_two_sample
+from specheads.evaluate.stage import EvalError, plan_runs, run_eval
+from specheads.export import ExportError
 
 
-def _args(**kw):
-    base = dict(recipe=None, overrides=[], target=None, head=None, prompts=None, k=None, tree=None, temperature=None,
-                rule=None, compare=None, engine="specheads", thresholds=None, chi_square_draws=None, batch_size=None,
-                limit=None, max_new_tokens=None, out=None, dry_run=False)
-    base.update(kw)
-    return types.SimpleNamespace(**base)
+def _recipe(tmp_path, *flags):
+    args = build_parser().parse_args(["eval", "--target", "smollm2-135m", "--prompts", "builtin:demo_prompts",
+                                      "--out", str(tmp_path), *flags])
+    return eval_recipe(args)
 
 
 def test_chi_square_two_sample_tells_apart():
@@ -43,27 +43,45 @@ def test_eval_report_end_to_end(tiny_target_dir, tmp_path):
 
 
 def test_eval_sampling_chi_square(tiny_target_dir, tmp_path):
-    s = EvalSettings(target=str(tiny_target_dir), prompts="builtin:demo_prompts", out=tmp_path / "ev",
-                     runs=[RunSpec("ngram onehot", "ngram", k=2, rule="onehot")], limit=1, temperature=1.0,
-                     max_new_tokens=6, chi_square_draws=200)
-    rep = run_eval(s)
+    args = build_parser().parse_args([
+        "eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--out", str(tmp_path / "ev"),
+        "--compare", "ngram", "--k", "2", "--rule", "onehot", "--limit", "1", "--temperature", "1.0",
+        "--max-new-tokens", "6", "--chi-square-draws", "200"])
+    rep = run_eval(eval_recipe(args))
+    assert [r["name"] for r in rep["runs"]] == ["ngram k=2 onehot"]
     ll = rep["runs"][0]["lossless"]
     assert ll["kind"] == "chi_square" and ll["p_values"] and ll["passed"], ll
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(rule=["rejection"]), "needs --temperature > 0"),
-    (dict(rule=["greedy"], temperature=0.7), "rule 'greedy' is for temperature 0"),
-    (dict(k=[40]), "k=40 out of range"),
-    (dict(tree="4,4"), "expected depth,topk,tokens"),
-    (dict(head=["/nonexistent/head"]), "head directory not found"),
+@pytest.mark.parametrize("flags,msg", [
+    (["--compare", "ngram", "--rule", "rejection"], "rule='rejection' samples: it needs eval.temperature > 0"),
+    (["--compare", "ngram", "--rule", "greedy", "--temperature", "0.7"], "rule='greedy' is for temperature 0"),
+    (["--compare", "ngram", "--k", "40"], "k=40 out of range"),
+    (["--compare", "ngram", "--tree", "4,4"], "expected depth,topk,tokens"),
 ])
-def test_eval_bad_input(kw, msg, tmp_path):
-    from specheads.runtime.eval import settings_from_args
+def test_eval_bad_flags_are_recipe_errors(flags, msg, tmp_path):
+    with pytest.raises(RecipeError, match=msg):
+        _recipe(tmp_path, *flags)
 
-    args = _args(target="smollm2-135m", prompts="builtin:demo_prompts", out=str(tmp_path), compare=["ngram"], **kw)
-    with pytest.raises(EvalError, match=msg):
-        settings_from_args(args)
+
+def test_eval_bad_plan(tmp_path, capsys):
+    with pytest.raises(EvalError, match="head directory not found: /nonexistent/head"):
+        plan_runs(_recipe(tmp_path, "--head", "/nonexistent/head"))
+    with pytest.raises(EvalError, match="nothing to compare"):
+        plan_runs(_recipe(tmp_path))
+    with pytest.raises(EvalError, match="tree depth and topk must be >= 1"):
+        plan_runs(_recipe(tmp_path, "--compare", "ngram", "--tree", "0,4,16"))
+    # flags and the CLI: one line, exit 2 for a recipe error, before anything loads
+    assert main(["eval", "--target", "smollm2-135m", "--prompts", "x.jsonl"]) == 2
+    assert "eval without a recipe needs --out" in capsys.readouterr().err
+
+
+def test_eval_flags_become_recipe_keys(tmp_path):
+    r = _recipe(tmp_path, "--head", "a", "--head", "b", "--k", "2", "--k", "5", "--rule", "greedy", "--limit", "7",
+                "--compare", "ngram", "--max-new-tokens", "9")
+    e = r.eval
+    assert (e.head, e.k, e.rule, e.limit, e.compare, e.max_new_tokens) == (["a", "b"], [2, 5], ["greedy"], 7, ["ngram"], 9)
+    assert r.target.source == "smollm2-135m" and r.eval_dir == tmp_path and e.split == "all"
 
 
 def test_eval_refuses_head_for_another_target(tiny_target_dir, tmp_path):
@@ -81,8 +99,8 @@ def test_eval_refuses_head_for_another_target(tiny_target_dir, tmp_path):
     torch.nn.init.normal_(head.embed_tokens.weight)
     speculators.save(head, ExportMeta(verifier_name_or_path="x", aux_layer_ids=[1, 2, 3]), tmp_path / "h",
                      dtype=torch.float32)
-    s = EvalSettings(target=str(tiny_target_dir), prompts="builtin:demo_prompts", out=tmp_path / "ev",
-                     runs=[RunSpec("h", str(tmp_path / "h"))], limit=1, max_new_tokens=4)
-    validate_settings(s)
-    with pytest.raises(EvalError, match="target hidden size 48, target has 64"):
-        run_eval(s)
+    args = build_parser().parse_args([
+        "eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--out", str(tmp_path / "ev"),
+        "--head", str(tmp_path / "h"), "--limit", "1", "--max-new-tokens", "4"])
+    with pytest.raises(ExportError, match="target hidden size 48, target has 64"):
+        run_eval(eval_recipe(args))

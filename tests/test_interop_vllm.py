@@ -3,7 +3,7 @@
 vLLM runs in its own virtual environment (``.cache/venvs/vllm``, built once by
 ``tests/interop/vllm_venv.py``; ``SPECHEADS_VLLM_PYTHON`` may point at another python with
 vllm 0.32.x).  Each vLLM configuration runs in its own process (``tests/interop/vllm_run.py``,
-i.e. the worker half of ``specheads/runtime/vllm_compare.py``) and writes JSON.
+i.e. the ``specheads/evaluate/vllm_worker.py``) and writes JSON.
 
 Session fixtures: the SmolLM2 target saved as an HF directory (fp32, dequantised from the
 bundled GGUF); an EAGLE-3 head trained briefly on the CPU through the real CLI stages
@@ -106,7 +106,7 @@ def _demo_rows():
 # ------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
 def vllm_python():
-    from specheads.runtime.vllm_compare import VllmError, find_vllm_python
+    from specheads.evaluate.vllm_compare import VllmError, find_vllm_python
 
     with _timed("vllm venv"):
         if os.environ.get("SPECHEADS_VLLM_PYTHON"):
@@ -126,7 +126,7 @@ def vllm_python():
 
 @pytest.fixture(scope="session")
 def target_dir(smollm2):
-    from specheads.runtime.vllm_compare import save_hf_target
+    from specheads.evaluate.vllm_compare import save_hf_target
 
     with _timed("target HF dir"):
         return save_hf_target(smollm2, CACHE / "target_hf", "float32").resolve()
@@ -190,18 +190,18 @@ def ours(smollm2, exports, conversations):
     """Our runtime: plain, EAGLE-3 from each export, n-gram (default rule and vLLM's rule)."""
     from specheads.runtime.chat import chat_generate
     from specheads.runtime.drafters import NGramDrafter
-    from specheads.runtime.eval import RunSpec, _build_drafter
+    from specheads.evaluate.stage import RunSpec, build_drafter
     from specheads.runtime.metrics import summarize
     from specheads.runtime.model import TargetModel
-    from specheads.runtime.vllm_compare import VllmRuleNGramDrafter
+    from specheads.evaluate.vllm_compare import VllmRuleNGramDrafter
 
     engine = TargetModel.from_hf(smollm2.model, max_batch=1, max_seq=2048)
     tok = smollm2.tokenizer
     drafters = {
         "plain": None,
-        "eagle3_speculators": _build_drafter(RunSpec("s", str(exports["speculators"]), k=K), smollm2, engine.dtype,
+        "eagle3_speculators": build_drafter(RunSpec("s", str(exports["speculators"]), k=K), smollm2, engine.dtype,
                                              engine.device),
-        "eagle3_sglang": _build_drafter(RunSpec("g", str(exports["sglang"]), k=K), smollm2, engine.dtype, engine.device),
+        "eagle3_sglang": build_drafter(RunSpec("g", str(exports["sglang"]), k=K), smollm2, engine.dtype, engine.device),
         "ngram_vllm_rule": VllmRuleNGramDrafter(1, 4),
         "ngram_ours": NGramDrafter(1, 4),
     }
@@ -221,7 +221,7 @@ def ours(smollm2, exports, conversations):
 @pytest.fixture(scope="session")
 def theirs(vllm_python, target_dir, exports, ours, tmp_path_factory):
     """vLLM: plain and the four drafted configurations, one process each, fed our prompt ids."""
-    from specheads.runtime.vllm_compare import run_worker
+    from specheads.evaluate.vllm_compare import run_worker
 
     work = tmp_path_factory.mktemp("vllm_runs")
     convs = [{"id": r.id, "turns": [m["content"] for m in r.messages if m["role"] == "user"],
@@ -275,7 +275,7 @@ def _our_turn_steps(results) -> list[list[tuple[int, int]]]:
 
 
 def _summary(ours, theirs) -> dict:
-    from specheads.runtime.vllm_compare import vllm_metrics
+    from specheads.evaluate.vllm_compare import vllm_metrics
 
     s = {"specheads": {}, "vllm": {}}
     for name, o in ours.items():
@@ -337,7 +337,7 @@ def test_lossless_in_both_engines(ours, theirs, vname, oname):
 @vllm
 @pytest.mark.parametrize("vname,oname", PAIRS)
 def test_acceptance_matches(ours, theirs, vname, oname):
-    from specheads.runtime.vllm_compare import vllm_metrics
+    from specheads.evaluate.vllm_compare import vllm_metrics
 
     mine, vl = _our_turn_steps(ours[oname]["results"]), _their_steps(theirs[vname])
     assert len(mine) == len(vl) == 8
@@ -427,7 +427,7 @@ def _fake_python(tmp_path, body: str) -> str:
 
 
 def test_unsupported_vllm_version_is_a_clear_error(tmp_path):
-    from specheads.runtime.vllm_compare import VllmError, find_vllm_python
+    from specheads.evaluate.vllm_compare import VllmError, find_vllm_python
 
     py = _fake_python(tmp_path, "printf 0.31.2")
     with pytest.raises(VllmError) as e:
@@ -437,7 +437,7 @@ def test_unsupported_vllm_version_is_a_clear_error(tmp_path):
 
 
 def test_missing_vllm_is_a_clear_error(tmp_path, monkeypatch):
-    from specheads.runtime import vllm_compare
+    from specheads.evaluate import vllm_compare
 
     monkeypatch.setenv("SPECHEADS_VLLM_PYTHON", _fake_python(tmp_path, "echo \"ModuleNotFoundError: No module named 'vllm'\" >&2; exit 1"))
     with pytest.raises(vllm_compare.VllmError) as e:
@@ -451,16 +451,16 @@ def test_missing_vllm_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_eval_engine_vllm_without_vllm_exits_with_a_message(tmp_path, monkeypatch, capsys):
     """The CLI prints one line naming the version, no traceback (checked before any model loads)."""
-    from specheads.runtime import vllm_compare
+    from specheads.evaluate import vllm_compare
 
     monkeypatch.setenv("SPECHEADS_VLLM_PYTHON", _fake_python(tmp_path, "printf 0.40.0"))
     with pytest.raises(vllm_compare.VllmError, match=r"needs vLLM 0\.32\.x.*has vLLM 0\.40\.0"):
-        vllm_compare.add_vllm_runs({"runs": []}, None, [])
+        vllm_compare.add_vllm_runs({"runs": []}, None, [], None)
 
 
 def test_ngram_vllm_rule_takes_the_earliest_occurrence():
     from specheads.runtime.drafters import NGramDrafter
-    from specheads.runtime.vllm_compare import VllmRuleNGramDrafter
+    from specheads.evaluate.vllm_compare import VllmRuleNGramDrafter
 
     h = [5, 1, 2, 7, 9, 1, 2, 8, 3, 1, 2]
     assert NGramDrafter(1, 4).lookup(h, 3) == [8, 3, 1]
@@ -474,7 +474,7 @@ def test_ngram_vllm_rule_equals_vllms_kernel(vllm_python, tmp_path):
     so n-grams repeat often), window 1..4 and 2..3, k=3."""
     import random
 
-    from specheads.runtime.vllm_compare import VllmRuleNGramDrafter, _worker_env
+    from specheads.evaluate.vllm_compare import VllmRuleNGramDrafter, _worker_env
 
     rng = random.Random(0)
     hist = [[rng.randrange(rng.randint(2, 6)) for _ in range(rng.randint(1, 40))] for _ in range(5000)]

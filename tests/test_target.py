@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 def test_bundled_gguf_facts(smollm2):
     t = smollm2
     assert (t.num_layers, t.hidden_size, t.vocab_size, t.model_type) == (30, 576, 49152, "llama")
-    assert t.default_aux_layer_ids() == [2, 15, 27]
+    assert t.aux_layer_ids() == [2, 15, 27]
     assert t.tokenizer.chat_template and "<|im_start|>" in t.tokenizer.chat_template
     assert len(t.config_hash) == 16 and t.identity()["name"] == "smollm2-135m"
     assert not any(p.requires_grad for p in t.model.parameters())

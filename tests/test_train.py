@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from specheads.config import recipe_from_dict
+from specheads.export.trained import load_trained_head
 from specheads.train import (BatchError, HeadShapeError, ResumeMismatchError, TrainingDivergedError, build_head,
-                             load_trained_head, run_train)
-from specheads.train.logging import read_metrics
+                             run_train)
 from specheads.train.losses import TargetLogits, TargetView, counted_positions, distill_step, simulated_tau
-from specheads.train.synthetic import SyntheticFeed, synthetic_vocab, tiny_target
+from specheads.train.run_log import read_metrics
+from synthetic_target import SyntheticFeed, synthetic_vocab, tiny_target
 
 VD = 128
 
@@ -105,7 +106,7 @@ def test_builder_checks_and_lora(target, vocab, tmp_path):
     lb = build_head(r, target, vocab)
     trainable = [n for n, p in lb.head.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    from specheads.train.builder import merged_state_dict
+    from specheads.export.trained import merged_state_dict
 
     assert set(merged_state_dict(lb.head)) == set(built.head.state_dict())
 
@@ -254,9 +255,10 @@ def test_warm_start_from_export_with_lora(target, vocab, tmp_path):
 _DDP_SCRIPT = '''
 import json, os, sys, torch
 torch.set_num_threads(1)
+sys.path.insert(0, {tests!r})
 from specheads.config import recipe_from_dict
 from specheads.train import run_train
-from specheads.train.synthetic import tiny_target, SyntheticFeed, synthetic_vocab
+from synthetic_target import tiny_target, SyntheticFeed, synthetic_vocab
 run_dir, resume = sys.argv[1], sys.argv[2] == "1"
 rank = int(os.environ["RANK"])
 tgt = tiny_target()
@@ -278,7 +280,7 @@ def test_two_ranks_under_torchrun_with_resume(tmp_path):
     import sys
 
     script = tmp_path / "ddp.py"
-    script.write_text(_DDP_SCRIPT)
+    script.write_text(_DDP_SCRIPT.replace("{tests!r}", repr(str(Path(__file__).resolve().parent))))
 
     def launch(run_dir, resume):
         with socket.socket() as s:

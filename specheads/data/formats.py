@@ -58,6 +58,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from specheads.errors import MissingInputError, SpecheadsError
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -96,7 +98,7 @@ _ID_KEYS = ("id", "uid", "question_id", "conversation_id")
 _ANSWER_KEYS = ("output", "response", "answer", "completion")
 
 
-class DataError(ValueError):
+class DataError(SpecheadsError, ValueError):
     """A problem in an input data file, located by file, row and field."""
 
     def __init__(self, file: str | Path, row: int | None, field: str | None, msg: str, *, row_kind: str = "row"):
@@ -138,7 +140,7 @@ def _suffixes(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_datasets():
+def quiet_datasets():
     """Silence datasets' progress bars and its logger while reading one file."""
     import datasets
     from datasets.utils import logging as ds_logging
@@ -161,7 +163,7 @@ def _quiet_datasets():
 
 
 def _read_with_datasets(path: Path, kind: str) -> list[dict]:
-    with _quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="specheads-ds-") as cache:
+    with quiet_datasets() as datasets, tempfile.TemporaryDirectory(prefix="specheads-ds-") as cache:
         ds = datasets.load_dataset(kind, data_files=str(path), split="train", cache_dir=cache)
         return ds.to_list()
 
@@ -177,7 +179,8 @@ def _read_json_by_hand(path: Path, ext: str) -> tuple[list[dict], str]:
             raise DataError(path, e.lineno, None, f"malformed JSON (line {e.lineno}, column {e.colno}): {e.msg}", row_kind="line") from None
         if not isinstance(data, list):
             raise DataError(path, None, None, "expected a JSON list of objects")
-        return data, "item"
+        # a plain list of prompt strings is a prompt file
+        return [{"prompt": x} if isinstance(x, str) else x for x in data], "item"
     if ext == ".json" and stripped.startswith("{"):
         # a single JSON document holding one object, or a JSONL file named .json
         try:
@@ -201,6 +204,12 @@ def _read_json_by_hand(path: Path, ext: str) -> tuple[list[dict], str]:
     return rows, "line"
 
 
+def _is_list_of_strings(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[") and head[1:].lstrip().startswith(b'"')
+
+
 def _jsonl_line_numbers(path: Path) -> list[int]:
     with open(path, encoding="utf-8") as f:
         return [i for i, line in enumerate(f, start=1) if line.strip()]
@@ -211,7 +220,7 @@ def load_records(path: str | Path) -> tuple[list[dict], list[int], str]:
     JSONL, index for JSON lists and Parquet) and what that number counts."""
     path = resolve_data_path(path)
     if not path.exists():
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise MissingInputError(f"data file not found: {path}")
     if path.is_dir():
         raise DataError(path, None, None, "is a directory; give one data file")
     ext = _suffixes(path)
@@ -224,6 +233,8 @@ def load_records(path: str | Path) -> tuple[list[dict], list[int], str]:
     if ext not in (".json", ".jsonl", ".ndjson"):
         raise DataError(path, None, None, f"unknown file type '{ext}' (expected .json, .jsonl or .parquet)")
     try:
+        if _is_list_of_strings(path):  # datasets would invent a 'text' column; these are prompts
+            raise ValueError("a JSON list of strings")
         rows = _read_with_datasets(path, "json")
     except Exception as e:  # noqa: BLE001 - datasets failed: read by hand to locate the problem
         log.debug("datasets could not read %s (%s); reading it with json", path, e)

@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from .formats import load_conversations
+from specheads.errors import MissingInputError
+from .formats import load_conversations, quiet_datasets
 from .sources import split_holdout
 from .template import tokenize_conversation, tokenizer_name
 
@@ -190,7 +191,8 @@ def prepare_rows(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     old = None
     try:
-        ds.save_to_disk(str(tmp))
+        with quiet_datasets():  # one line of summary says what was written
+            ds.save_to_disk(str(tmp))
         (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
@@ -213,9 +215,12 @@ def load_rows(path: str | Path):
 
     path = Path(path)
     if not (path / SUMMARY_FILE).exists():
-        raise FileNotFoundError(f"no token rows at {path} (missing {SUMMARY_FILE}; run the data stage first)")
+        raise MissingInputError(f"no token rows at {path} (missing {SUMMARY_FILE}; run the data stage first)")
     return datasets.load_from_disk(str(path))
 
 
 def load_summary(path: str | Path) -> dict:
-    return json.loads((Path(path) / SUMMARY_FILE).read_text())
+    f = Path(path) / SUMMARY_FILE
+    if not f.is_file():
+        raise MissingInputError(f"no token rows at {path} (missing {SUMMARY_FILE}; run `specheads data prepare` first)")
+    return json.loads(f.read_text())

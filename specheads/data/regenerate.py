@@ -23,9 +23,12 @@ import os
 import time
 from pathlib import Path
 
+from specheads.config import stage_input_diff
+from specheads.errors import SpecheadsError
 
-class RegenerateError(ValueError):
-    specheads_user_error = True
+
+class RegenerateError(SpecheadsError, ValueError):
+    """Regeneration cannot start or resume (another recipe's output, no prompts, ...)."""
 
 
 def _settings_doc(recipe, target) -> dict:
@@ -36,7 +39,18 @@ def _settings_doc(recipe, target) -> dict:
         "holdout_fraction": recipe.data.holdout_fraction,
         "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
         "max_prompt_tokens": g.max_prompt_tokens, "seed": recipe.seed,
+        "recipe_inputs": recipe.stage_inputs("regenerate"),
     }
+
+
+def _check_recipe_inputs(out: Path, recipe) -> None:
+    """The recipe half of :func:`_check_meta`, before any weights load (the target's hash needs them)."""
+    meta = out.with_name(out.name + ".meta.json")
+    recorded = json.loads(meta.read_text()).get("recipe_inputs") if meta.is_file() else None
+    diff = stage_input_diff(recorded, recipe, "regenerate")
+    if diff:
+        raise RegenerateError(f"{out} already holds data generated with other settings (differing: {', '.join(diff)}); "
+                              f"choose another data.regenerate.out or delete it")
 
 
 def _check_meta(out: Path, doc: dict) -> None:
@@ -102,14 +116,14 @@ def run_regenerate(recipe, target=None) -> dict:
 
     from specheads.runtime.chat import chat_generate
     from specheads.runtime.model import TargetModel
-    from specheads.target import load_target
+    from specheads.target import load_target_for
 
     g = recipe.data.regenerate
     out = recipe.regenerated_path
     items, stats = load_prompt_items(recipe)
+    _check_recipe_inputs(out, recipe)
     if target is None:
-        target = load_target(recipe.target.source, dtype=recipe.target.dtype, device=recipe.target.device,
-                             adapter=recipe.target.adapter, chat_template=recipe.target.chat_template)
+        target = load_target_for(recipe)
     _check_meta(out, _settings_doc(recipe, target))
     done = _done_ids(out)
     todo = [it for it in items if str(it["id"]) not in done]
@@ -120,21 +134,32 @@ def run_regenerate(recipe, target=None) -> dict:
     max_seq = min(max_seq, int(getattr(target.config, "max_position_embeddings", 8192) or 8192))
     drafter = None
     if g.head:
-        from specheads.runtime.eval import RunSpec, _build_drafter
+        from specheads.export.convert import load_head_for
+        from specheads.runtime.drafters import drafter_for_head
 
-        drafter = _build_drafter(RunSpec("regen", g.head, k=g.k), target, target.dtype, target.device)
+        head, _meta = load_head_for(g.head, target)
+        drafter = drafter_for_head(head.to(device=target.device, dtype=target.dtype).eval())
     engine = TargetModel.from_hf(target.model, max_batch=g.batch_size, max_seq=max_seq)
     sampling = g.temperature > 0
     written = {"conversations": 0, "tokens": 0, "skipped_overlong": 0}
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    bar = tqdm(total=len(todo), desc="regenerate", unit="conv")
+    # a batch's conversations all finish at once: the bar moves by whole batches (at the next
+    # decode step), or its first update after the warm-up would promise an ETA of hours
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv", smoothing=0)
+    finished = [0]
     f = open(out, "a", encoding="utf-8")
 
+    def move_bar(_tokens=0):
+        if finished[0]:
+            bar.update(finished[0])
+            finished[0] = 0
+            bar.set_postfix(tok_s=f"{written['tokens'] / max(1e-9, time.time() - t0):.0f}")
+
     def on_done(res):
+        finished[0] += 1
         if res.finish_reasons and res.finish_reasons[0].startswith("skipped"):
             written["skipped_overlong"] += 1
-            bar.update(1)
             return
         line = {"id": res.id, "category": res.category, "messages": res.messages,
                 "finish_reasons": res.finish_reasons}
@@ -149,16 +174,15 @@ def run_regenerate(recipe, target=None) -> dict:
             raise
         written["conversations"] += 1
         written["tokens"] += sum(len(a) for a in res.answer_tokens)
-        bar.update(1)
-        bar.set_postfix(tok_s=f"{written['tokens'] / max(1e-9, time.time() - t0):.0f}")
 
     try:
         chat_generate(engine, target.tokenizer, todo, max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
                       drafter=drafter, k=g.k, rule="onehot" if sampling else "greedy", temperature=g.temperature,
                       top_k=g.top_k, top_p=g.top_p, seed=recipe.seed, max_prompt_tokens=g.max_prompt_tokens,
-                      use_cuda_graphs=engine.device.type == "cuda", on_done=on_done)
+                      use_cuda_graphs=engine.device.type == "cuda", on_done=on_done, progress=move_bar)
     finally:
         f.close()
+        move_bar()
         bar.close()
     elapsed = time.time() - t0
     summary = {"out": str(out), "already_done": len(done), "prompts": len(items), **stats, **written,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from specheads.errors import MissingInputError
+
 BUILTIN = {
     # the project's own small, varied prompt set (chat, code, math, summarising, extraction)
     "builtin:demo_prompts": Path(__file__).resolve().parent.parent / "assets" / "demo_prompts.jsonl",
@@ -19,11 +21,11 @@ BUILTIN = {
 def resolve_source(path: str) -> Path:
     if path.startswith("builtin:"):
         if path not in BUILTIN:
-            raise FileNotFoundError(f"unknown built-in data {path!r}; known: {', '.join(BUILTIN)}")
+            raise MissingInputError(f"unknown built-in data {path!r}; known: {', '.join(BUILTIN)}")
         return BUILTIN[path]
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"data file not found: {path}")
+        raise MissingInputError(f"data file not found: {path}")
     return p
 
 

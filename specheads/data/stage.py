@@ -8,10 +8,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
+from specheads.config import check_stage_inputs
+from specheads.errors import MissingInputError
 from .prepare import load_rows, load_summary, prepare_rows
-from .vocab import VocabError, save_vocab, select_draft_vocab
+from .sources import resolve_source
+from .vocab import VOCAB_JSON, VocabError, save_vocab, select_draft_vocab
 
 log = logging.getLogger(__name__)
 
@@ -22,26 +27,49 @@ def _sources(recipe) -> list:
     if recipe.data.regenerate.enabled:
         path = recipe.regenerated_path
         if not path.exists():
-            raise FileNotFoundError(f"{path} not found: run `specheads data regenerate` first (data.regenerate.enabled is true)")
+            raise MissingInputError(f"{path} not found: run `specheads data regenerate` first (data.regenerate.enabled is true)")
+        meta = path.with_name(path.name + ".meta.json")
+        recorded = json.loads(meta.read_text()).get("recipe_inputs") if meta.is_file() else None
+        check_stage_inputs(recorded, recipe, "regenerate", path, "specheads data regenerate RECIPE")
         return [{"path": str(path), "format": "auto"}]
     return list(recipe.data.sources)
 
 
-def run_prepare(recipe) -> dict:
-    from specheads.target import load_target
+def check_rows(recipe) -> dict:
+    """The token rows' summary, refused when the rows were prepared from other settings."""
+    summary = load_summary(recipe.rows_dir)
+    check_stage_inputs(summary.get("recipe_inputs"), recipe, "prepare", recipe.rows_dir,
+                       "specheads data prepare RECIPE")
+    return summary
 
-    # the tokenizer is what matters here; the target also gives the vocab size and identity
-    target = load_target(
-        recipe.target.source, dtype="float32", device="cpu", adapter=recipe.target.adapter,
-        chat_template=recipe.target.chat_template,
-    )
+
+def check_vocab(recipe) -> None:
+    """Refuse a draft vocabulary selected from other rows or for another draft_vocab_size."""
+    stats_file = Path(recipe.vocab_dir) / VOCAB_JSON
+    if stats_file.is_file():
+        recorded = json.loads(stats_file.read_text()).get("recipe_inputs")
+        check_stage_inputs(recorded, recipe, "vocab", recipe.vocab_dir, "specheads vocab RECIPE")
+
+
+def run_prepare(recipe) -> dict:
+    from specheads.target import load_tokenizer_for, target_facts
+
+    sources = _sources(recipe)  # a missing file fails here, before anything loads
+    for src in sources:
+        resolve_source(src["path"] if isinstance(src, dict) else src.path)
+    # the tokenizer and the config are all this stage needs: no weights
+    facts = target_facts(recipe.target.source)
+    identity = {"name": recipe.target.source, "model_type": facts["model_type"],
+                "num_layers": facts["num_hidden_layers"], "hidden_size": facts["hidden_size"],
+                "vocab_size": facts["vocab_size"], "adapter": recipe.target.adapter}
     summary = prepare_rows(
-        _sources(recipe),
-        target.tokenizer,
+        sources,
+        load_tokenizer_for(recipe),
         recipe.data.max_length,
         recipe.rows_dir,
         holdout_fraction=recipe.data.holdout_fraction,
-        extra={"target": target.identity(), "target_vocab_size": target.vocab_size},
+        extra={"target": identity, "target_vocab_size": facts["vocab_size"],
+               "recipe_inputs": recipe.stage_inputs("prepare")},
     )
     print(
         f"token rows: {summary['rows']} rows, {summary['tokens']} tokens "
@@ -53,8 +81,8 @@ def run_prepare(recipe) -> dict:
 
 def run_vocab(recipe) -> dict:
     rows_dir = recipe.rows_dir
-    ds = load_rows(rows_dir)  # FileNotFoundError naming the stage to run when absent
-    summary = load_summary(rows_dir)
+    summary = check_rows(recipe)  # MissingInputError naming the stage to run when absent
+    ds = load_rows(rows_dir)
     vt = summary.get("target_vocab_size")
     if vt is None:
         raise VocabError(f"{rows_dir}/summary.json has no target_vocab_size: rerun `specheads data prepare`")
@@ -65,6 +93,7 @@ def run_vocab(recipe) -> dict:
     d2t, t2d, stats = select_draft_vocab(ds, vd, vt)
     stats["rows_dir"] = str(rows_dir)
     stats["target"] = summary.get("target")
+    stats["recipe_inputs"] = recipe.stage_inputs("vocab")
     save_vocab(recipe.vocab_dir, d2t, t2d, stats)
     msg = f"draft vocab: {vd} of {vt} tokens, coverage {stats['coverage']:.2%} of masked tokens"
     if stats["filled"]:

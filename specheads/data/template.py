@@ -36,10 +36,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from specheads.errors import SpecheadsError
+
 __all__ = ["TemplateError", "tokenize_conversation", "render", "assistant_spans", "tokenizer_name"]
 
 
-class TemplateError(ValueError):
+class TemplateError(SpecheadsError, ValueError):
     """The chat template cannot render the conversation, or assistant spans cannot be located."""
 
 

@@ -28,9 +28,11 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from specheads.errors import SpecheadsError
+
 __all__ = ["VocabError", "select_draft_vocab", "count_masked_tokens", "save_vocab", "load_vocab", "VOCAB_TENSORS", "VOCAB_JSON"]
 
-class VocabError(ValueError):
+class VocabError(SpecheadsError, ValueError):
     """Bad input to draft-vocabulary selection, or an inconsistent vocab file."""
 
 

@@ -24,9 +24,11 @@ import os
 import numpy as np
 import torch
 
+from specheads.config import check_stage_inputs
 from specheads.dump.online import OnlineFeed
 from specheads.dump.reader import DumpDataset, collate, open_manifest
 from specheads.dump.store import DumpError
+from specheads.layer_ids import resolve_aux_layer_ids
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -156,14 +158,9 @@ class Feed:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def _expected_layer_ids(recipe, target, num_layers: int | None):
-    if recipe.head.aux_layer_ids is not None:
-        return list(recipe.head.aux_layer_ids)
-    if target is not None:
-        return target.default_aux_layer_ids()
-    from specheads.layer_ids import default_eagle3_layer_ids
-
-    return default_eagle3_layer_ids(num_layers)
+def _expected_layer_ids(recipe, target, num_layers: int | None) -> list[int]:
+    """The head's aux layer ids, resolved against the target (or, without one, the store's num_layers)."""
+    return resolve_aux_layer_ids(recipe.head.aux_layer_ids, target.num_layers if target is not None else num_layers)
 
 
 def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_size: int = 1, *,
@@ -181,6 +178,8 @@ def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_si
         if target is None and expected_config_hash is None:
             raise DumpError("an offline feed needs the target (or expected_config_hash) to check the store against")
         manifest = open_manifest(recipe.dump_dir)
+        check_stage_inputs(manifest.get("recipe_inputs"), recipe, "prepare", recipe.dump_dir,
+                           "specheads data prepare RECIPE` and `specheads dump RECIPE")
         layer_ids = _expected_layer_ids(recipe, target, manifest["target"]["num_layers"])
         ds = DumpDataset(recipe.dump_dir, expected_target=target.identity() if target is not None else None,
                          expected_config_hash=expected_config_hash, expected_layer_ids=layer_ids, dtype=dtype)
@@ -188,11 +187,16 @@ def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_si
         info = {"target": ds.target, "aux_layer_ids": ds.aux_layer_ids, "hidden_size": ds.hidden_size,
                 "dtype": ds.stored}
     elif mode == "online":
+        if rows is None:
+            from specheads.data.stage import check_rows
+
+            check_rows(recipe)
         if target is None:
-            from specheads.dump.writer import _device_for, _load_target
+            from specheads.dump.writer import _device_for
+            from specheads.target import load_target_for
 
             device = _device_for(recipe, int(os.environ.get("LOCAL_RANK", "0")))
-            target = _load_target(recipe, device)
+            target = load_target_for(recipe, device=str(device), require_chat_template=False)
         online = OnlineFeed(target, rows if rows is not None else recipe.rows_dir,
                             aux_layer_ids=_expected_layer_ids(recipe, target, None), dtype=dtype)
         source = _OnlineSource(online)

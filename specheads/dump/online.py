@@ -21,9 +21,7 @@ class OnlineFeed:
     def __init__(self, target, rows, aux_layer_ids=None, dtype: torch.dtype | None = None):
         self.target = target
         self.rows = TokenRows(rows)
-        self.aux_layer_ids = target.check_layer_ids(
-            aux_layer_ids if aux_layer_ids is not None else target.default_aux_layer_ids(), where="head.aux_layer_ids"
-        )
+        self.aux_layer_ids = target.aux_layer_ids(aux_layer_ids, where="head.aux_layer_ids")
         self.dtype = dtype
 
     def __len__(self) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specheads.data.prepare import load_rows
 from specheads.dump.store import DumpError
 
 _CHUNK = 8192
@@ -20,12 +21,6 @@ def load_token_rows(path: str | Path):
     path = Path(path)
     if not path.exists():
         raise DumpError(f"token rows not found at {path}: run `specheads data prepare` first (or set data.rows_dir)")
-    try:
-        from specheads.data.prepare import load_rows
-    except ImportError:
-        import datasets
-
-        return datasets.load_from_disk(str(path))
     return load_rows(path)
 
 

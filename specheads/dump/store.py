@@ -48,6 +48,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specheads import fileio
+from specheads.errors import SpecheadsError
+from specheads.fileio import fsync_dir
+
 FORMAT = "specheads-dump"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -68,7 +72,7 @@ _ST_DTYPES = {
 }
 
 
-class DumpError(RuntimeError):
+class DumpError(SpecheadsError, RuntimeError):
     """A dump cannot be written or read as asked."""
 
 
@@ -88,6 +92,7 @@ def shard_name(index: int) -> str:
 
 
 def tmp_name(name: str) -> str:
+    """The temporary name a shard is written under (``write_safetensors_atomic``)."""
     return name + ".tmp"
 
 
@@ -297,35 +302,13 @@ def write_safetensors_atomic(
     return h.hexdigest(), total
 
 
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, doc: dict) -> None:
+    """``fileio.write_json_atomic`` with sorted keys (manifests are a pure function of their content);
+    an OSError becomes a ``DumpError`` saying the previous version is unchanged."""
     path = Path(path)
-    tmp = path.with_name(tmp_name(path.name))
-    data = (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fileio.write_json_atomic(path, doc, sort_keys=True)
     except OSError as e:
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
         what = "disk full" if e.errno == errno.ENOSPC else "error"
         raise DumpError(f"{what} while writing {path}: {e}; the previous version is unchanged") from e
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from specheads.dump.rows import TokenRows
+from specheads.fileio import tmp_path_for
 from specheads.dump.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -133,15 +134,6 @@ def _device_for(recipe, local_rank: int) -> torch.device:
     return resolve_device(want)
 
 
-def _load_target(recipe, device: torch.device):
-    from specheads.target import load_target
-
-    return load_target(
-        recipe.target.source, dtype=recipe.target.dtype, device=str(device), adapter=recipe.target.adapter,
-        chat_template=recipe.target.chat_template, require_chat_template=False,
-    )
-
-
 # --- the manifest header -----------------------------------------------------------------------
 
 
@@ -159,6 +151,8 @@ def _header(target, layer_ids, recipe, rows_sha: str) -> dict:
         "shard_tokens": int(recipe.dump.shard_tokens),
         "batch_tokens": int(recipe.dump.batch_tokens),
         "rows_sha256": rows_sha,
+        # the recipe settings the token rows were prepared with: training refuses a stale store
+        "recipe_inputs": recipe.stage_inputs("prepare"),
         "layout": {
             "input_ids": "int32 [N]", "loss_mask": "uint8 [N]", "row_offsets": "int64 [rows+1]",
             "aux": f"[N, {len(layer_ids)}*{target.hidden_size}] = cat(output_hidden_states[i] for i in aux_layer_ids)",
@@ -319,18 +313,21 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
         writer_threads = max(2, min(4, (os.cpu_count() or 2) // 4))
     stored = recipe.dump.dtype
     dist = _Dist(rank, world_size)
+    if rows is None:
+        from specheads.data.stage import check_rows
+
+        check_rows(recipe)  # missing or stale rows fail before the target loads
     try:
         if target is None:
+            from specheads.target import load_target_for
+
             device = _device_for(recipe, dist.local_rank)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            target = _load_target(recipe, device)
+            target = load_target_for(recipe, device=str(device), require_chat_template=False)
         device = target.device
         trows = TokenRows(rows if rows is not None else recipe.rows_dir)
-        layer_ids = target.check_layer_ids(
-            recipe.head.aux_layer_ids if recipe.head.aux_layer_ids is not None else target.default_aux_layer_ids(),
-            where="head.aux_layer_ids",
-        )
+        layer_ids = target.aux_layer_ids(recipe.head.aux_layer_ids)
         root = Path(recipe.dump_dir)
         return _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads)
     finally:
@@ -338,32 +335,61 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
 
 
 def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads) -> dict:
+    """The dump as a pipeline; every step runs on every rank in the same order (collectives inside)."""
     lengths = trows.lengths()
+    _check_row_lengths(lengths, recipe.data.max_length)
+    plans = plan_shards(lengths, recipe.dump.shard_tokens)
+    digests = _shard_digests(trows, plans, target.vocab_size)
+    header = _header(target, layer_ids, recipe, hashlib.sha256("".join(digests).encode()).hexdigest())
+    existing = _open_store(root, header, dist)
+    mine = [p for p in plans if p.index % dist.world_size == dist.rank]
+    records, todo = _keep_finished_shards(root, mine, existing, digests)
+    _start_manifest(root, header, existing, lengths, len(plans), todo, dist)
+    _log_plan(root, todo, records, stored, len(layer_ids), target.hidden_size, dist)
+    records.update(_compute_and_write_shards(recipe, target, trows, todo, layer_ids, stored, root, device, digests,
+                                             _shard_metadata(header, layer_ids, stored, target.hidden_size),
+                                             dist, progress, writer_threads))
+    return _finish_manifest(root, header, plans, mine, records, dist)
+
+
+# --- pipeline steps ----------------------------------------------------------------------------
+
+
+def _check_row_lengths(lengths: np.ndarray, max_length: int) -> None:
+    """Refuse an empty row set, empty rows and rows longer than ``data.max_length``."""
     if len(lengths) == 0:
         raise DumpError("no token rows to dump")
     empty = np.nonzero(lengths == 0)[0]
     if len(empty):
         raise DumpError(f"row {int(empty[0])} is empty (0 tokens); drop it in data prepare")
-    too_long = np.nonzero(lengths > recipe.data.max_length)[0]
+    too_long = np.nonzero(lengths > max_length)[0]
     if len(too_long):
         r = int(too_long[0])
         raise DumpError(
-            f"row {r} has {int(lengths[r])} tokens, more than data.max_length={recipe.data.max_length} "
+            f"row {r} has {int(lengths[r])} tokens, more than data.max_length={max_length} "
             f"({len(too_long)} row(s) too long); re-run data prepare with this max_length or raise it"
         )
-    plans = plan_shards(lengths, recipe.dump.shard_tokens)
+
+
+def _shard_digests(trows: TokenRows, plans: list[ShardPlan], vocab_size: int) -> list[str]:
+    """``rows_digest`` of each shard's token rows (checking every token id against the vocabulary)."""
     digests = []
     for p in plans:
         ids, mask, off = trows.range(p.row_start, p.row_end)
-        if len(ids) and int(ids.max()) >= target.vocab_size:
-            k = int(np.nonzero(ids >= target.vocab_size)[0][0])
+        if len(ids) and int(ids.max()) >= vocab_size:
+            k = int(np.nonzero(ids >= vocab_size)[0][0])
             r = p.row_start + int(np.searchsorted(off, k, side="right") - 1)
-            raise DumpError(f"row {r}: token id {int(ids[k])} >= the target's vocab_size {target.vocab_size}")
+            raise DumpError(f"row {r}: token id {int(ids[k])} >= the target's vocab_size {vocab_size}")
         digests.append(rows_digest(ids, mask, off))
-    rows_sha = hashlib.sha256("".join(digests).encode()).hexdigest()
-    header = _header(target, layer_ids, recipe, rows_sha)
+    return digests
 
-    # Refuse a store of another target / layer set / layout — on every rank, before writing.
+
+def _open_store(root: Path, header: dict, dist: _Dist) -> dict | None:
+    """Create ``root`` and return its manifest (None for a new store).
+
+    Refuses a store of another target / layer set / layout — on every rank, before
+    anything is written.
+    """
     root.mkdir(parents=True, exist_ok=True)
     existing = read_manifest(root)
     err = None
@@ -383,8 +409,17 @@ def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress,
                 log.warning("%s: the store was started with %s=%r, this run uses %r; shards computed "
                             "now may differ numerically from an uninterrupted run", root, key,
                             existing.get(key), header[key])
+    return existing
 
-    mine = [p for p in plans if p.index % dist.world_size == dist.rank]
+
+def _keep_finished_shards(root: Path, mine: list[ShardPlan], existing: dict | None,
+                          digests: list[str]) -> tuple[dict[int, dict], list[ShardPlan]]:
+    """Split this rank's shards into verified finished ones (their records) and the ones to compute.
+
+    A shard is finished when its ``.progress`` record (or, for a complete store, its
+    manifest record) matches the plan and the file's size and sha256. Anything else of
+    an unfinished shard (partial temporary file, file, record) is removed.
+    """
     known = {}
     if existing is not None and existing.get("complete"):
         known = {r["index"]: r for r in existing.get("shards", [])}
@@ -408,39 +443,63 @@ def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress,
             for stale in (root / p.file, pp):
                 if stale.exists():
                     stale.unlink()
+    return records, todo
+
+
+def _start_manifest(root: Path, header: dict, existing: dict | None, lengths: np.ndarray, n_shards: int,
+                    todo: list[ShardPlan], dist: _Dist) -> None:
+    """Rank 0 writes the header manifest (``complete: false``) unless a complete store needs nothing."""
     need = dist.all_gather(len(todo))
     if dist.rank == 0:
-        mtmp = root / tmp_name(MANIFEST)
-        if mtmp.exists():
-            mtmp.unlink()
+        for mtmp in (root / tmp_name(MANIFEST), tmp_path_for(root / MANIFEST)):
+            mtmp.unlink(missing_ok=True)
         if existing is None or sum(need) or not existing.get("complete"):
             write_json_atomic(root / MANIFEST, dict(header, complete=False, shards=[], counts={
-                "rows": len(lengths), "tokens": int(lengths.sum()), "shards": len(plans)}))
+                "rows": len(lengths), "tokens": int(lengths.sum()), "shards": n_shards}))
     (root / PROGRESS_DIR).mkdir(exist_ok=True)
 
-    todo_tokens = sum(p.tokens for p in todo)
-    n_aux = len(layer_ids)
-    if dist.rank == 0:
-        est = todo_tokens * bytes_per_token(stored, n_aux, target.hidden_size)
-        free = shutil.disk_usage(root).free
-        if est > free:
-            log.warning("%s: this rank alone needs about %.1f GB for its shards but only %.1f GB are free",
-                        root, est / 1e9, free / 1e9)
-        if len(records):
-            log.info("%s: %d finished shard(s) verified and kept", root, len(records))
 
-    pbar = None
-    if progress and dist.local_rank == 0 and todo_tokens:
-        from tqdm.auto import tqdm
+def _log_plan(root: Path, todo: list[ShardPlan], records: dict, stored: str, n_aux: int, hidden: int,
+              dist: _Dist) -> None:
+    """Rank 0: warn when the disk looks too small, say how many finished shards were kept."""
+    if dist.rank != 0:
+        return
+    est = sum(p.tokens for p in todo) * bytes_per_token(stored, n_aux, hidden)
+    free = shutil.disk_usage(root).free
+    if est > free:
+        log.warning("%s: this rank alone needs about %.1f GB for its shards but only %.1f GB are free",
+                    root, est / 1e9, free / 1e9)
+    if len(records):
+        log.info("%s: %d finished shard(s) verified and kept", root, len(records))
 
-        pbar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
-                    desc=f"dump {stored}" + (f" rank {dist.rank}/{dist.world_size}" if dist.world_size > 1 else ""),
-                    file=sys.stderr)
-    meta = {
+
+def _shard_metadata(header: dict, layer_ids, stored: str, hidden: int) -> dict[str, str]:
+    """The ``__metadata__`` every shard of this store carries (plus its own index and row range)."""
+    return {
         "format": "pt", "specheads_format": FORMAT, "format_version": str(FORMAT_VERSION), "dtype": stored,
         "aux_layer_ids": json.dumps(list(layer_ids)), "config_hash": header["target"]["config_hash"],
-        "hidden_size": str(target.hidden_size),
+        "hidden_size": str(hidden),
     }
+
+
+def _progress_bar(progress: bool, dist: _Dist, total_tokens: int, stored: str):
+    if not (progress and dist.local_rank == 0 and total_tokens):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total_tokens, unit="tok", unit_scale=True, dynamic_ncols=True,
+                desc=f"dump {stored}" + (f" rank {dist.rank}/{dist.world_size}" if dist.world_size > 1 else ""),
+                file=sys.stderr)
+
+
+def _compute_and_write_shards(recipe, target, trows: TokenRows, todo: list[ShardPlan], layer_ids, stored: str,
+                              root: Path, device: torch.device, digests: list[str], meta: dict, dist: _Dist,
+                              progress: bool, writer_threads: int) -> dict[int, dict]:
+    """Compute the shards in ``todo`` in order; each finished one goes to a writer thread while the
+    next computes (at most ``writer_threads`` in flight). Returns their records by index."""
+    done_records: dict[int, dict] = {}
+    n_aux = len(layer_ids)
+    pbar = _progress_bar(progress, dist, sum(p.tokens for p in todo), stored)
     pool = ThreadPoolExecutor(max_workers=max(1, writer_threads), thread_name_prefix="dump-writer")
     pending: set = set()
 
@@ -450,7 +509,7 @@ def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress,
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             for fut in sorted(done, key=id):
                 rec = fut.result()  # re-raises a writer's error (disk full, NaN)
-                records[rec["index"]] = rec
+                done_records[rec["index"]] = rec
                 if _after_shard is not None:
                     _after_shard(rec)
 
@@ -472,7 +531,12 @@ def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress,
         pool.shutdown(wait=True, cancel_futures=True)
         if pbar is not None:
             pbar.close()
+    return done_records
 
+
+def _finish_manifest(root: Path, header: dict, plans: list[ShardPlan], mine: list[ShardPlan],
+                     records: dict[int, dict], dist: _Dist) -> dict:
+    """Gather every rank's shard records, rank 0 writes the complete manifest, progress records go."""
     gathered = dist.all_gather([records[p.index] for p in mine])
     merged = sorted((r for part in gathered for r in part), key=lambda r: r["index"])
     if [r["index"] for r in merged] != list(range(len(plans))):

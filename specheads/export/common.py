@@ -21,15 +21,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specheads.errors import SpecheadsError
 from ..heads.config import HeadConfig
+from ..fileio import write_json_atomic
+from ..target import resolve_dtype
 
 SIDE_FILE = "specheads.json"
 WEIGHTS_FILE = "model.safetensors"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# the dtypes a serving engine loads a head in (names and torch dtypes from the one table in target.py)
+DTYPES = {name: resolve_dtype(name) for name in ("bfloat16", "float16", "float32")}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class ExportError(Exception):
+class ExportError(SpecheadsError):
     """An export/import/validation failure; the message names the file, tensor or field."""
 
 
@@ -81,20 +85,6 @@ def fill_meta(head, meta: ExportMeta | None) -> ExportMeta:
 
 
 # ------------------------------------------------------------------ files
-def write_json(path: Path, obj: dict) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
-    os.replace(tmp, path)
-
-
-def _json_default(o):
-    if isinstance(o, torch.dtype):
-        return DTYPE_NAMES.get(o, str(o))
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o)}")
-
-
 def read_json(path: Path, what: str = "config") -> dict:
     if not path.is_file():
         raise ExportError(f"{path}: missing {what} file")
@@ -165,7 +155,7 @@ def write_side(out: Path, fmt: str, head, meta: ExportMeta, dtype: torch.dtype, 
     side = {"format": fmt, "dtype": DTYPE_NAMES.get(dtype, str(dtype)), "head_config": head.cfg.to_dict(),
             "meta": meta.to_dict()}
     side.update(extra or {})
-    write_json(out / SIDE_FILE, side)
+    write_json_atomic(out / SIDE_FILE, side)
 
 
 def read_side(d: Path) -> dict | None:
@@ -248,23 +238,6 @@ def head_fields_from_layer_config(d: dict, where: str) -> dict:
     theta, scaling = rope_from_config(d)
     out["rope_theta"], out["rope_scaling"] = theta, scaling
     return out
-
-
-def hf_to_output_ids(ids):
-    """HF hidden-state index -> "output of layer" index (SpecForge / SGLang eagle_config)."""
-    try:
-        from ..layer_ids import hf_to_output_index
-        return list(hf_to_output_index(ids))
-    except ImportError:  # layer_ids.py owns this arithmetic; fallback until it lands
-        return [int(i) - 1 for i in ids]
-
-
-def output_to_hf_ids(ids):
-    try:
-        from ..layer_ids import output_to_hf_index
-        return list(output_to_hf_index(ids))
-    except ImportError:
-        return [int(i) + 1 for i in ids]
 
 
 def check_state_dict(head, tensors: dict[str, torch.Tensor], where: str, optional=()) -> None:

@@ -65,3 +65,26 @@ def save(head, meta, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, **k
     if fmt not in MODULES:
         raise ExportError(f"unknown format {fmt!r}; choose one of {sorted(MODULES)}")
     return MODULES[fmt].save(head, meta, out_dir, dtype=dtype, **kw)
+
+
+def load_head_for(d, target, dtype: torch.dtype = torch.float32):
+    """``(head, meta)``: an exported head made whole for ``target`` and checked against it.
+
+    Layouts that share the target's weights (SGLang's leaves out the embedding;
+    EAGLE-1 and MTP use the target's lm_head) get them copied in; a head whose
+    shapes, layer ids or recorded target identity do not fit is an ExportError
+    naming the directory — before any generation starts.
+    """
+    from specheads.heads.config import target_mismatches
+
+    head, meta, _fmt = load_any(d, dtype=dtype)
+    emb = getattr(head, "embed_tokens", None)
+    if emb is not None and not bool(emb.weight.any()):
+        emb.weight.data.copy_(target.embed_tokens.weight.to(emb.weight.dtype))
+    lm = getattr(head, "lm_head", None)
+    if head.cfg.kind in ("eagle1", "mtp") and lm is not None and not bool(lm.weight.any()):
+        lm.weight.data.copy_(target.lm_head.weight.to(lm.weight.dtype))
+    problems = target_mismatches(head.cfg, target.identity(), trained_for=meta.target_config if meta else None)
+    if problems:
+        raise ExportError(f"{d}: head does not match the target: " + "; ".join(problems))
+    return head, meta

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import write_json_atomic
 from ..heads import Eagle1Head, HeadConfig
 from .common import (WEIGHTS_FILE, ExportError, ExportMeta, fill_meta, head_fields_from_layer_config,
-                     layer_config_dict, load_into, load_tensors, prepare_out_dir, read_json, read_side, save_tensors,
-                     write_json, write_side)
+                     layer_config_dict, load_into, load_tensors, prepare_out_dir, read_json, read_side, save_tensors, write_side)
 
 FORMAT = "eagle"
 ARCHS = ("LlamaForCausalLMEagle", "LlamaForCausalLM", "EagleLlamaForCausalLM")
@@ -44,7 +44,7 @@ def save(head: Eagle1Head, meta: ExportMeta | None, out_dir, dtype: torch.dtype 
     c["model_type"] = "llama"
     c["bias"] = bool(head.cfg.fc_bias)
     save_tensors(export_tensors(head), out / WEIGHTS_FILE, dtype)
-    write_json(out / "config.json", c)
+    write_json_atomic(out / "config.json", c)
     write_side(out, FORMAT, head, meta, dtype)
     return out
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import write_json_atomic
 from ..heads import HeadConfig, MTPHead
 from .common import (WEIGHTS_FILE, ExportError, ExportMeta, fill_meta, head_fields_from_layer_config,
-                     layer_config_dict, load_into, load_tensors, prepare_out_dir, read_json, read_side, save_tensors,
-                     write_json, write_side)
+                     layer_config_dict, load_into, load_tensors, prepare_out_dir, read_json, read_side, save_tensors, write_side)
 
 FORMAT = "mtp"
 
@@ -63,7 +63,7 @@ def save(head: MTPHead, meta: ExportMeta | None, out_dir, dtype: torch.dtype = t
     c["num_nextn_predict_layers"] = head.cfg.num_mtp_depths
     tensors = {k: v.clone() for k, v in export_tensors(head, L).items()}  # shared storage -> separate tensors
     save_tensors(tensors, out / WEIGHTS_FILE, dtype)
-    write_json(out / "config.json", c)
+    write_json_atomic(out / "config.json", c)
     write_side(out, FORMAT, head, meta, dtype, {"mtp_layer_offset": L})
     return out
 
@@ -141,9 +141,9 @@ def stitch_into_target(target_dir, mtp_dir, out_dir) -> Path:
         raise ExportError(f"{target_dir}: target already has tensors {clash[:3]}... (MTP layers present?)")
     for k in mtp:
         idx["weight_map"][k] = "model-mtp.safetensors"
-    write_json(idx_path, idx)
+    write_json_atomic(idx_path, idx)
     tc["num_nextn_predict_layers"] = int(mc["num_nextn_predict_layers"])
-    write_json(out / "config.json", tc)
+    write_json_atomic(out / "config.json", tc)
     return out
 
 

@@ -24,10 +24,12 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import write_json_atomic
 from ..heads import Eagle3Head, HeadConfig
 from .common import (DTYPE_NAMES, WEIGHTS_FILE, ExportError, ExportMeta, fill_meta, head_fields_from_layer_config,
-                     hf_to_output_ids, layer_config_dict, load_into, load_tensors, output_to_hf_ids, prepare_out_dir,
-                     read_json, read_side, save_tensors, write_json, write_side)
+                     layer_config_dict, load_into, load_tensors, prepare_out_dir,
+                     read_json, read_side, save_tensors, write_side)
+from ..layer_ids import default_eagle3_layer_ids, hf_to_output_index, output_to_hf_index
 from .speculators import export_tensors
 
 FORMAT = "sglang"
@@ -71,7 +73,7 @@ def build_config(head: Eagle3Head, meta: ExportMeta, dtype: torch.dtype) -> dict
     c["norm_output"] = bool(cfg.norm_output)
     c["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
     c["eagle_config"] = {
-        "eagle_aux_hidden_state_layer_ids": hf_to_output_ids(cfg.aux_layer_ids),
+        "eagle_aux_hidden_state_layer_ids": hf_to_output_index(cfg.aux_layer_ids),
         "use_aux_hidden_state": True,
     }
     c["num_speculative_tokens"] = int(meta.speculative_tokens)
@@ -88,7 +90,7 @@ def save(head: Eagle3Head, meta: ExportMeta | None, out_dir, dtype: torch.dtype 
     out = prepare_out_dir(out_dir)
     tensors = {to_sglang_name(k): v for k, v in export_tensors(head, include_embedding=False).items()}
     save_tensors(tensors, out / WEIGHTS_FILE, dtype)
-    write_json(out / "config.json", build_config(head, meta, dtype))
+    write_json_atomic(out / "config.json", build_config(head, meta, dtype))
     write_side(out, FORMAT, head, meta, dtype)
     return out
 
@@ -100,12 +102,12 @@ def config_to_head_config(c: dict, where: str, aux_layer_ids=None, target_num_la
     kw = head_fields_from_layer_config(c, where)
     aux = c.get("eagle_aux_hidden_state_layer_ids")
     if not aux and isinstance(c.get("eagle_config"), dict) and c["eagle_config"].get("eagle_aux_hidden_state_layer_ids"):
-        aux = output_to_hf_ids(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        aux = output_to_hf_index(c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
     if not aux:
         aux = aux_layer_ids
     if not aux and target_num_layers:
         L = int(target_num_layers)
-        aux = [2, L // 2, L - 3]  # SGLang's default when the config names none
+        aux = default_eagle3_layer_ids(L)  # SGLang's default when the config names none
     if not aux:
         raise ExportError(f"{where}: missing field 'eagle_aux_hidden_state_layer_ids' (top level or in "
                           "eagle_config); pass aux_layer_ids= or target_num_layers=")

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
+from ..fileio import write_json_atomic
 from ..heads import Eagle3Head, HeadConfig
 from .common import (DTYPE_NAMES, WEIGHTS_FILE, ExportError, ExportMeta, fill_meta, head_fields_from_layer_config,
-                     layer_config_dict, load_into, load_tensors, prepare_out_dir, read_json, read_side, save_tensors,
-                     write_json, write_side)
+                     layer_config_dict, load_into, load_tensors, prepare_out_dir, read_json, read_side, save_tensors, write_side)
 
 FORMAT = "speculators"
 SPECULATORS_VERSION = "0.9.0"
@@ -80,7 +80,7 @@ def save(head: Eagle3Head, meta: ExportMeta | None, out_dir, dtype: torch.dtype 
     meta = fill_meta(head, meta)
     out = prepare_out_dir(out_dir)
     save_tensors(export_tensors(head, include_embedding), out / WEIGHTS_FILE, dtype)
-    write_json(out / "config.json", build_config(head, meta, dtype))
+    write_json_atomic(out / "config.json", build_config(head, meta, dtype))
     write_side(out, FORMAT, head, meta, dtype)
     return out
 

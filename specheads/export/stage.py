@@ -1,97 +1,63 @@
 """``specheads export``: trained head -> serving format, conversion, and checks.
 
-Three modes (``main(args)`` dispatches on the parsed CLI arguments):
+- :func:`run_export` (the stage): the head trained by a recipe (``recipe.train_dir``),
+  or read from a run / train / ``final/`` / checkpoint directory, written in
+  ``recipe.export.format``; re-read the way vLLM/SGLang (and speculators) would,
+  checked to give the trained head's outputs, with the README model card
+  (holding ``{eval_dir}/report.json`` when present) and the launch lines.
+- :func:`run_convert`: an exported head rewritten in another format, validated
+  against the source head.
+- :func:`run_check`: a directory validated as the readers would; with a target,
+  also verifier, vocabulary and hidden size against the target's config (no weights).
 
-- ``specheads export SOURCE [key=value ...] [--format F] [--out D] [--k K] [--dtype T]``
-  SOURCE is a recipe YAML (the head is read from ``recipe.train_dir``), a run
-  directory, a train directory, its ``final/`` or a checkpoint directory.
-  Writes the head in the chosen format, re-reads it the way vLLM/SGLang (and
-  speculators) would, checks that the reloaded head gives the trained head's
-  outputs, writes the README model card (with ``{eval_dir}/report.json`` when
-  present) and prints a summary with the launch lines.
-- ``specheads export --from DIR --format F --out D``: convert an exported
-  head between formats, then validate the result against the source head.
-- ``specheads export --check DIR [--target T]``: validate a directory as the
-  readers would; with ``--target`` also check verifier, vocabulary and hidden
-  size against the target's config (config only, no weights).  Exit 0 on
-  pass, 1 on failure.
-
-``--dry-run`` prints the plan and loads nothing.  Every user-facing failure
-is an ``ExportError`` with a one-line message (the CLI prints it).
-
-The trainer's contract (``specheads.train.checkpoint.load_trained_head``) is
-reached only through :func:`load_trained` below.
+Every user-facing failure is an ``ExportError`` with a one-line message.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-FORMATS = ("speculators", "sglang", "eagle", "mtp")
+import torch
+
+from specheads.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
+from specheads.heads.config import target_mismatches
+from specheads.target import BUNDLED_HF_ID, TargetError, target_facts
+
+from . import card, validate
+from .common import DTYPES, ExportError, ExportMeta, read_json, read_side, tensor_shapes_dtypes
+from .convert import MODULES, detect_format, load_any, save
+from .trained import load_trained_head
+
+FORMATS = tuple(MODULES)
 KIND_FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle",), "mtp": ("mtp",)}
-DTYPE_NAMES = ("bfloat16", "float32", "float16")
 ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
-# Config facts of the bundled target, so `--check --target smollm2-135m` reads nothing heavy.
-BUNDLED_FACTS = {"smollm2-135m": {"hidden_size": 576, "vocab_size": 49152, "num_hidden_layers": 30,
-                                  "model_type": "llama", "architectures": ["LlamaForCausalLM"]}}
-
-
-def _err(msg: str):
-    from .common import ExportError
-
-    return ExportError(msg)
 
 
 def _out(msg: str = "") -> None:
     print(msg, flush=True)
 
 
-# ---------------------------------------------------------------- trainer adapter
+# ---------------------------------------------------------------- the trained head
 def load_trained(path):
-    """``(head, meta_dict)`` from a run dir / train dir / ``final/`` / checkpoint dir.
-
-    Uses the trainer's ``load_trained_head``; falls back to reading the
-    ``final/`` layout (model.safetensors + head_config.json + meta.json)
-    directly when the trainer module is unavailable.
-    """
+    """``(head, meta_dict)`` from a run dir / train dir / ``final/`` / checkpoint dir."""
     p = Path(path)
     if not p.exists():
-        raise _err(f"{p}: no trained head here (no such directory; run `specheads train RECIPE` first?)")
-    try:
-        from specheads.train.checkpoint import load_trained_head
-    except ImportError:
-        load_trained_head = _load_final_dir
+        raise ExportError(f"{p}: no trained head here (no such directory; run `specheads train RECIPE` first?)")
     try:
         head, meta = load_trained_head(p)
     except FileNotFoundError as e:
         hint = ""
         if (p / "config.json").is_file():
             hint = " (it looks like an exported head: use --from DIR --format F --out OUT, or --check DIR)"
-        raise _err(f"{p}: not a trained head — {e}{hint}") from None
+        raise ExportError(f"{p}: not a trained head — {e}{hint}") from None
     except (ValueError, KeyError, RuntimeError, json.JSONDecodeError) as e:  # RuntimeError: size mismatch
         msg = " ".join(str(e).split())
-        raise _err(f"{p}: cannot load the trained head: {msg[:400]}") from None
+        raise ExportError(f"{p}: cannot load the trained head: {msg[:400]}") from None
     return head, (meta if isinstance(meta, dict) else {})
-
-
-def _load_final_dir(p: Path):
-    from safetensors.torch import load_file
-
-    from ..heads import HeadConfig, build_head
-
-    for d in (p, p / "final", p / "train" / "final"):
-        if (d / "model.safetensors").is_file() and (d / "head_config.json").is_file():
-            cfg = HeadConfig.from_dict(json.loads((d / "head_config.json").read_text()))
-            head = build_head(cfg)
-            missing, unexpected = head.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
-            missing = [k for k in missing if not k.endswith("inv_freq")]
-            if missing or unexpected:
-                raise ValueError(f"weights do not fit the head config: missing {missing}, unexpected {unexpected}")
-            meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").is_file() else {}
-            return head.float().eval(), meta
-    raise FileNotFoundError("no final/model.safetensors + head_config.json here")
 
 
 def run_root(path) -> Path:
@@ -110,8 +76,6 @@ def run_root(path) -> Path:
 
 # ---------------------------------------------------------------- metadata
 def verifier_of(identity: dict, head_cfg) -> tuple[str | None, list[str]]:
-    from specheads.target import BUNDLED_HF_ID
-
     name = identity.get("name")
     verifier = BUNDLED_HF_ID.get(name, name) if name else None
     archs = list(identity.get("architectures") or getattr(head_cfg, "target_architectures", None) or [])
@@ -124,8 +88,6 @@ def verifier_of(identity: dict, head_cfg) -> tuple[str | None, list[str]]:
 
 def build_meta(head, trained: dict, k: int, recipe_dict: dict | None = None):
     """ExportMeta from the trainer's meta.json (target identity, vocab stats, recipe, summary)."""
-    from .common import ExportMeta
-
     ident = dict(trained.get("target") or {})
     verifier, archs = verifier_of(ident, head.cfg)
     recipe_d = recipe_dict if recipe_dict is not None else (trained.get("recipe") or {})
@@ -154,45 +116,34 @@ def build_meta(head, trained: dict, k: int, recipe_dict: dict | None = None):
 
 
 def check_head_vs_identity(head, trained: dict, where: str) -> None:
-    """Shape facts of the head must agree with the target it was trained for."""
-    ident = trained.get("target") or {}
-    cfg = head.cfg
-    errs = []
-    if ident.get("vocab_size") is not None and int(ident["vocab_size"]) != cfg.target_vocab_size:
-        errs.append(f"target vocab {ident['vocab_size']} != head target_vocab_size {cfg.target_vocab_size}")
-    if ident.get("hidden_size") is not None and int(ident["hidden_size"]) != cfg.target_hidden_size:
-        errs.append(f"target hidden size {ident['hidden_size']} != head target_hidden_size {cfg.target_hidden_size}")
-    L = ident.get("num_layers")
-    if L is not None and cfg.aux_layer_ids and not all(0 <= int(i) <= int(L) for i in cfg.aux_layer_ids):
-        errs.append(f"aux_layer_ids {cfg.aux_layer_ids} out of range for a {L}-layer target")
-    if trained.get("aux_layer_ids") and list(trained["aux_layer_ids"]) != list(cfg.aux_layer_ids):
-        errs.append(f"meta aux_layer_ids {trained['aux_layer_ids']} != head aux_layer_ids {cfg.aux_layer_ids}")
+    """The head must fit the target it was trained for (as its meta.json recorded it)."""
+    errs = target_mismatches(head.cfg, trained.get("target") or {})
+    if trained.get("aux_layer_ids") and list(trained["aux_layer_ids"]) != list(head.cfg.aux_layer_ids):
+        errs.append(f"meta aux_layer_ids {trained['aux_layer_ids']} != head aux_layer_ids {head.cfg.aux_layer_ids}")
     if errs:
-        raise _err(f"{where}: " + "; ".join(errs))
+        raise ExportError(f"{where}: " + "; ".join(errs))
 
 
 def check_vocab_mapping(head, where: str) -> None:
     cfg = head.cfg
     if cfg.kind == "eagle3" and not cfg.full_vocab and not bool(head.t2d.any()):
-        raise _err(f"{where}: draft vocab {cfg.draft_vocab_size} < target vocab {cfg.target_vocab_size} but the "
+        raise ExportError(f"{where}: draft vocab {cfg.draft_vocab_size} < target vocab {cfg.target_vocab_size} but the "
                    "head has no d2t/t2d mapping (drafts would map to the wrong token ids); run `specheads vocab` "
                    "and retrain, or set vocab.draft_vocab_size=null")
 
 
 def _check_format(fmt: str | None, kind: str | None = None) -> str:
     if fmt not in FORMATS:
-        raise _err(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if kind is not None and fmt not in KIND_FORMATS.get(kind, ()):
-        raise _err(f"a {kind} head cannot be written as {fmt!r}; formats for {kind}: "
+        raise ExportError(f"a {kind} head cannot be written as {fmt!r}; formats for {kind}: "
                    f"{', '.join(KIND_FORMATS.get(kind, ()))}")
     return fmt
 
 
 def _dtype(name: str):
-    from .common import DTYPES
-
     if name not in DTYPES:
-        raise _err(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_NAMES)}")
+        raise ExportError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
@@ -206,18 +157,20 @@ def _size(n: int) -> str:
 
 
 def summary_lines(out: Path, rep, meta, fmt: str) -> list[str]:
-    from .card import launch_lines
-
     files = sorted(p for p in Path(out).iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
     lines = [f"exported {fmt} head to {out} ({_size(total)})"]
     lines += [f"  {p.name:<24} {_size(p.stat().st_size):>10}" for p in files]
     verdict = "PASS" if rep.ok else "FAIL"
-    diff = f", max |reloaded - trained| = {rep.max_output_diff:.3g}" if rep.max_output_diff is not None else ""
-    lines.append(f"validation ({', '.join(rep.readers)}): {verdict}{diff}")
+    lines.append(f"validation ({', '.join(rep.readers)}): {verdict}")
+    if rep.max_output_diff is not None:
+        # bf16 storage rounds every weight, so the reloaded logits move a little; the tolerance says how much may
+        lines.append(f"  reloaded as the readers load it, the head's draft logits (random inputs, 2 TTT steps) differ "
+                     f"from the trained head's by at most {rep.max_output_diff:.3g} (tolerance {rep.output_tolerance:.3g}; "
+                     f"largest logit {rep.output_scale:.3g})")
     lines += [f"  warning: {w}" for w in rep.warnings]
     target = meta.verifier_name_or_path or "TARGET"
-    ll = launch_lines(target, str(out), int(meta.speculative_tokens), fmt)
+    ll = card.launch_lines(target, str(out), int(meta.speculative_tokens), fmt)
     if fmt in ("speculators", "sglang", "eagle"):
         lines.append(f"vLLM:   {ll['vllm']}")
     if fmt in ("sglang", "eagle"):
@@ -229,28 +182,30 @@ def summary_lines(out: Path, rep, meta, fmt: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- export from a trained head
-def _resolve_source(source: str, overrides: list[str]):
-    """-> (recipe or None, head location, run root)."""
-    from specheads.config import load_recipe
+def trained_meta(path) -> dict:
+    """A trained run's meta.json (target identity, recipe, summary) without loading weights."""
+    p = Path(path)
+    for d in (p, p / "final", p / "train" / "final"):
+        if (d / "meta.json").is_file():
+            try:
+                meta = json.loads((d / "meta.json").read_text())
+            except json.JSONDecodeError as e:
+                raise ExportError(f"{d / 'meta.json'}: not valid JSON ({e})") from None
+            return meta if isinstance(meta, dict) else {}
+    return load_trained(p)[1]  # a checkpoint directory: its meta comes with the weights
 
-    p = Path(source)
-    if p.is_file():
-        if p.suffix not in (".yaml", ".yml", ".json"):
-            raise _err(f"{p}: SOURCE must be a recipe YAML, a run directory or a checkpoint directory")
-        recipe = load_recipe(p, overrides)
-        return recipe, recipe.train_dir, Path(recipe.run_dir)
+
+def recipe_for_run(path, overrides: list[str] = ()):
+    """The recipe a run was trained with (from its meta.json), re-rooted at the run directory.
+
+    ``path`` is a run, train, ``final/`` or checkpoint directory; ``overrides``
+    (``export.format=sglang``, ...) apply on top.
+    """
+    p = Path(path)
     if not p.is_dir():
-        raise _err(f"{p}: no such recipe file or run/checkpoint directory")
-    return None, p, run_root(p)
-
-
-def _recipe_for_dir(trained: dict, root: Path, overrides: list[str]):
-    """The training recipe (from meta.json) re-rooted at ``root``, with command-line overrides."""
-    import copy
-
-    from specheads.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
-
-    d = copy.deepcopy(trained.get("recipe") or {})
+        raise ExportError(f"{p}: no such recipe file or run/checkpoint directory")
+    root = run_root(p)
+    d = copy.deepcopy(trained_meta(p).get("recipe") or {})
     d["run_dir"] = str(root)
     try:
         return recipe_from_dict(apply_overrides(d, list(overrides)), f"{root} (recipe from meta.json)")
@@ -262,34 +217,27 @@ def _recipe_for_dir(trained: dict, root: Path, overrides: list[str]):
         return load_recipe(None, [f"run_dir={root}"])
 
 
-def run_export(recipe, fmt=None, out=None, k=None, dtype=None, *, source=None, trained=None,
-               echo: bool = True) -> Path:
-    """Export the head trained by ``recipe`` (or loaded from ``source``); returns the output dir.
+def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
+    """Export the head trained by ``recipe`` (or the one in ``source``, a run/checkpoint directory).
 
-    ``trained`` = ``(head, meta_dict)`` when the caller already loaded it."""
-    from . import card, validate
-    from .convert import save
-
+    Format, k, dtype and output directory come from ``recipe.export``; returns the output
+    directory. ``trained`` = ``(head, meta_dict)`` when the caller already loaded it."""
+    x = recipe.export
     where = str(source or recipe.train_dir)
     head, tmeta = trained if trained is not None else load_trained(source or recipe.train_dir)
-    fmt = _check_format(fmt or recipe.export.format, head.cfg.kind)
-    k = int(k if k is not None else recipe.export.k)
-    if not 1 <= k <= 16:
-        raise _err(f"--k {k}: the number of speculative tokens must be in 1..16")
-    dt = _dtype(dtype or recipe.export.dtype)
-    if out is None:
-        out = recipe.export.out or Path(recipe.run_dir) / "export" / fmt
-    out = Path(out)
+    fmt = _check_format(x.format, head.cfg.kind)
+    dt = _dtype(x.dtype)
+    out = Path(recipe.export_dir)
     check_head_vs_identity(head, tmeta, where)
     check_vocab_mapping(head, where)
-    meta = build_meta(head, tmeta, k, tmeta.get("recipe") or recipe.to_dict())
+    meta = build_meta(head, tmeta, x.k, tmeta.get("recipe") or recipe.to_dict())
     if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise _err(f"{out}: output directory exists and is not an export directory; choose another --out")
+        raise ExportError(f"{out}: output directory exists and is not an export directory; choose another --out")
     head = head.float().eval()
     try:
         save(head, meta, out, fmt, dtype=dt)
     except ValueError as e:
-        raise _err(f"{where}: cannot write {fmt}: {e}") from None
+        raise ExportError(f"{where}: cannot write {fmt}: {e}") from None
     ident = tmeta.get("target") or {}
     rep = validate.check(out, target_vocab_size=head.cfg.target_vocab_size,
                          verifier=meta.verifier_name_or_path, reference_head=head, dtype=dt, raise_on_error=False,
@@ -302,36 +250,30 @@ def run_export(recipe, fmt=None, out=None, k=None, dtype=None, *, source=None, t
         if ident.get("adapter"):
             _out(f"note: the target carries the adapter {ident['adapter']}: serve the merged model as the verifier")
     if not rep.ok:
-        raise _err(f"{out}: written but failed validation: " + "; ".join(rep.errors))
+        raise ExportError(f"{out}: written but failed validation: " + "; ".join(rep.errors))
     return out
 
 
 def _atol(dtype) -> float | None:
-    import torch
-
     # bf16 storage rounds every weight (rel. 2^-8): let validate scale its default; fp32 must be exact.
     return 1e-4 if dtype == torch.float32 else None
 
 
 # ---------------------------------------------------------------- --from conversion
 def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> Path:
-    import dataclasses
-
-    from . import card, validate
-    from .convert import MODULES, detect_format, load_any
-
+    """Rewrite the exported head in ``src`` as ``fmt`` in ``out`` and validate it against the source."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
-        raise _err(f"--from {src}: not a directory")
+        raise ExportError(f"--from {src}: not a directory")
     src_fmt = detect_format(src)
     head, meta, _ = load_any(src)
     _check_format(fmt, head.cfg.kind)
     if src.resolve() == out.resolve():
-        raise _err(f"--out {out} is the --from directory; write the conversion elsewhere")
+        raise ExportError(f"--out {out} is the --from directory; write the conversion elsewhere")
     if k is not None:
         meta = dataclasses.replace(meta, speculative_tokens=int(k))
     if fmt == "speculators" and not bool(head.embed_tokens.weight.any()):
-        raise _err(f"--from {src}: has no embedding (a {src_fmt} head shares the target's) but the speculators "
+        raise ExportError(f"--from {src}: has no embedding (a {src_fmt} head shares the target's) but the speculators "
                    "package needs one in the file; export from the trained run instead")
     check_vocab_mapping(head, str(src))
     dt = _dtype(dtype)
@@ -344,45 +286,13 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
         for line in summary_lines(out, rep, meta, fmt):
             _out(line)
     if not rep.ok:
-        raise _err(f"{out}: written but failed validation: " + "; ".join(rep.errors))
+        raise ExportError(f"{out}: written but failed validation: " + "; ".join(rep.errors))
     return out
 
 
 # ---------------------------------------------------------------- --check
-def target_facts(target: str) -> dict:
-    """hidden_size / vocab_size / num_hidden_layers / architectures / verifier of a target, config only."""
-    from specheads.target import BUNDLED_HF_ID
-
-    if target in BUNDLED_FACTS:
-        return {**BUNDLED_FACTS[target], "verifier": BUNDLED_HF_ID[target], "aliases": {target}}
-    p = Path(target)
-    if target.endswith(".gguf"):
-        if not p.is_file():
-            raise _err(f"--target {target}: GGUF file not found")
-        from transformers import AutoConfig
-
-        cfg = AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
-    else:
-        if p.exists() and not (p / "config.json").is_file():
-            raise _err(f"--target {target}: not a model directory (no config.json)")
-        try:
-            from transformers import AutoConfig
-
-            cfg = AutoConfig.from_pretrained(target)
-        except (OSError, ValueError) as e:
-            raise _err(f"--target {target}: cannot read its config ({str(e).splitlines()[0]})") from None
-    c = getattr(cfg, "text_config", None) or cfg
-    arch = list(getattr(cfg, "architectures", None) or [])
-    return {"hidden_size": int(c.hidden_size), "vocab_size": int(c.vocab_size),
-            "num_hidden_layers": int(c.num_hidden_layers), "model_type": c.model_type, "architectures": arch,
-            "verifier": target, "aliases": {target, str(p.resolve()) if p.exists() else target}}
-
-
 def check_against_target(d: Path, facts: dict) -> list[str]:
     """Problems between an export dir and a target (verifier, vocab, hidden size, layer ids)."""
-    from .common import read_json, read_side, tensor_shapes_dtypes
-    from .convert import detect_format
-
     problems = []
     c = read_json(d / "config.json")
     side = read_side(d) or {}
@@ -423,11 +333,12 @@ def check_against_target(d: Path, facts: dict) -> list[str]:
 
 
 def run_check(d, target: str | None = None, echo: bool = True) -> int:
-    from . import validate
-    from .common import ExportError
-
+    """Validate ``d`` as vLLM/SGLang read it (and against ``target``'s config); 0 when it passes."""
     d = Path(d)
-    facts = target_facts(target) if target else None
+    try:
+        facts = target_facts(target) if target else None
+    except TargetError as e:
+        raise ExportError(f"--target {target}: {e}") from None
     try:
         rep = validate.check(d, target_vocab_size=facts["vocab_size"] if facts else None, raise_on_error=False)
     except ExportError as e:  # not a head directory at all
@@ -451,90 +362,3 @@ def run_check(d, target: str | None = None, echo: bool = True) -> int:
         if rep.checked:
             _out(f"  checked: {', '.join(rep.checked)}{', target config' if facts else ''}")
     return 0 if not problems else 1
-
-
-# ---------------------------------------------------------------- CLI
-def _plan_lines(args) -> list[str]:
-    if args.check:
-        lines = [f"read {args.check}/config.json and tensor headers; check them as vLLM and SGLang read them"]
-        if args.target:
-            lines.append(f"read the config of {args.target} (no weights); compare verifier, vocab, hidden size")
-        return lines
-    if args.from_dir:
-        return [f"load the exported head in {args.from_dir} (format detected)",
-                f"write {args.format} ({args.dtype or 'bfloat16'}) to {args.out}",
-                "validate it and compare outputs with the source head"]
-    p = Path(args.source)
-    if p.is_file():
-        from specheads.config import load_recipe
-
-        recipe = load_recipe(p, args.overrides)
-        fmt = args.format or recipe.export.format
-        out = args.out or recipe.export.out or Path(recipe.run_dir) / "export" / fmt
-        src, evald = recipe.train_dir, recipe.eval_dir
-        k, dt = args.k or recipe.export.k, args.dtype or recipe.export.dtype
-    else:
-        root = run_root(p)
-        exp = _peek_export_section(p)  # meta.json only: no weights
-        fmt = args.format or exp.get("format", "speculators")
-        out = args.out or exp.get("out") or root / "export" / fmt
-        src, evald = p, root / "eval"
-        k, dt = args.k or exp.get("k", 3), args.dtype or exp.get("dtype", "bfloat16")
-    return [f"load the trained head from {src} (final/ or the latest checkpoint)",
-            f"write {fmt} ({dt}, k={k}) to {out}",
-            "validate it as vLLM and SGLang would read it; compare reloaded outputs with the trained head",
-            f"write README.md (with {evald}/report.json when it exists)"]
-
-
-def _peek_export_section(p: Path) -> dict:
-    for d in (p, p / "final", p / "train" / "final"):
-        if (d / "meta.json").is_file():
-            try:
-                return dict((json.loads((d / "meta.json").read_text()).get("recipe") or {}).get("export") or {})
-            except (json.JSONDecodeError, AttributeError):
-                return {}
-    return {}
-
-
-def main(args) -> int:
-    check, from_dir = getattr(args, "check", None), getattr(args, "from_dir", None)
-    source, overrides = getattr(args, "source", None), list(getattr(args, "overrides", None) or [])
-    if check and from_dir:
-        raise _err("--check and --from are separate modes; give one")
-    if args.target and not check:
-        raise _err("--target goes with --check DIR (an export takes its target from the trained head)")
-    if check or from_dir:
-        if source or overrides:
-            raise _err(f"{'--check' if check else '--from'} takes no SOURCE/overrides (got {source!r})")
-    if from_dir:
-        if not args.format or not args.out:
-            raise _err("--from DIR needs --format F and --out OUT")
-        _check_format(args.format)
-    elif not check:
-        if not source:
-            raise _err("give a SOURCE (recipe YAML, run directory or checkpoint directory), --from DIR or --check DIR")
-        if args.format:
-            _check_format(args.format)
-    if args.k is not None and not 1 <= args.k <= 16:
-        raise _err(f"--k {args.k}: the number of speculative tokens must be in 1..16")
-
-    if args.dry_run:
-        _out("# specheads export — dry run (nothing loaded)")
-        _out("# would run:")
-        for line in _plan_lines(args):
-            _out(f"#   {line}")
-        return 0
-
-    if check:
-        return run_check(check, args.target)
-    if from_dir:
-        run_convert(from_dir, args.format, args.out, dtype=args.dtype or "bfloat16", k=args.k)
-        return 0
-    recipe, loc, root = _resolve_source(source, overrides)
-    if recipe is None:
-        trained = load_trained(loc)
-        recipe = _recipe_for_dir(trained[1], root, overrides)
-        run_export(recipe, args.format, args.out, args.k, args.dtype, source=loc, trained=trained)
-    else:
-        run_export(recipe, args.format, args.out, args.k, args.dtype)
-    return 0

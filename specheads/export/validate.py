@@ -29,7 +29,8 @@ from . import eagle as eagle_fmt
 from . import mtp as mtp_fmt
 from . import sglang as sglang_fmt
 from . import speculators as spec_fmt
-from .common import ExportError, hf_to_output_ids, output_to_hf_ids, read_json, tensor_shapes_dtypes
+from ..layer_ids import hf_to_output_index, output_to_hf_index
+from .common import ExportError, read_json, tensor_shapes_dtypes
 from .convert import detect_format, load_any
 
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
@@ -48,6 +49,8 @@ class ValidationReport:
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     max_output_diff: float | None = None
+    output_tolerance: float | None = None
+    output_scale: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -237,7 +240,7 @@ def _check_sglang(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
                           "capture its default layers)")
     if not top and not nested:
         rep.errors.append(f"{where}: missing field 'eagle_aux_hidden_state_layer_ids'")
-    if top and nested and list(top) != output_to_hf_ids(nested):
+    if top and nested and list(top) != output_to_hf_index(nested):
         rep.errors.append(f"{where}: eagle_config ids {nested} (SGLang output index) and top-level ids {top} "
                           "(HF index) name different layers")
     if not top and nested and "vllm" in rep.readers:
@@ -361,7 +364,7 @@ def _compare_outputs(rep, d: Path, ref, atol):
     diff = max(float((x - y).abs().max()) for x, y in zip(a, b))
     scale = max(float(x.abs().max()) for x in a)
     tol = atol if atol is not None else 0.03 * max(1.0, scale)
-    rep.max_output_diff = diff
+    rep.max_output_diff, rep.output_tolerance, rep.output_scale = diff, tol, scale
     rep.checked.append("outputs vs reference head")
     if diff > tol:
         rep.errors.append(f"{d}: reloaded head's logits differ from the reference by {diff:.3g} (> {tol:.3g})")

@@ -190,3 +190,31 @@ def rope_from_config(c: Any) -> tuple[float, dict | None]:
     else:
         scaling = None
     return float(theta), scaling
+
+
+def target_mismatches(cfg: HeadConfig, target: dict, trained_for: dict | None = None) -> list[str]:
+    """What stops a head from drafting for a target, one line each (empty: they fit).
+
+    ``target`` is a target identity (``Target.identity()`` or the one a
+    checkpoint recorded): ``hidden_size``, ``vocab_size``, ``num_layers`` and
+    optionally ``name`` / ``config_hash``. ``trained_for`` is the identity the
+    head was trained against; a different ``config_hash`` means another
+    target (a fine-tune included). Trainer, export and eval all ask here.
+    """
+    errs = []
+    hidden, vocab, layers = target.get("hidden_size"), target.get("vocab_size"), target.get("num_layers")
+    if hidden is not None and int(cfg.target_hidden_size) != int(hidden):
+        errs.append(f"head expects target hidden size {cfg.target_hidden_size}, target has {hidden}")
+    if hidden is not None and cfg.kind in ("eagle1", "mtp") and int(cfg.hidden_size) != int(hidden):
+        errs.append(f"{cfg.kind} hidden_size {cfg.hidden_size} != target hidden size {hidden}")
+    if vocab is not None and cfg.target_vocab_size and int(cfg.target_vocab_size) != int(vocab):
+        errs.append(f"head expects target vocab {cfg.target_vocab_size}, target has {vocab}")
+    if layers is not None and cfg.aux_layer_ids:
+        bad = [i for i in cfg.aux_layer_ids if not 0 <= int(i) <= int(layers)]
+        if bad:
+            errs.append(f"aux_layer_ids {bad} out of range for a target with {layers} layers")
+    was = (trained_for or {}).get("config_hash")
+    if was and target.get("config_hash") and was != target["config_hash"]:
+        errs.append(f"head was trained for target {trained_for.get('name')!r} (config hash {was}), "
+                    f"this target is {target.get('name')!r} ({target['config_hash']})")
+    return errs

@@ -21,12 +21,12 @@ Randomness always enters as explicit uniform tensors in [0, 1) (float32), e.g.
 
 from __future__ import annotations
 
-import importlib
 import os
 import warnings
 
 import torch
 
+from . import sampling_ref, soft_ce_ref, verify_ref
 from ._common import GREEDY_EPS, TreeVerifyOutput, VerifyOutput
 
 __all__ = [
@@ -44,7 +44,7 @@ def triton_available() -> bool:
     global _triton_ok
     if _triton_ok is None:
         try:
-            importlib.import_module("triton")
+            import triton  # noqa: F401
             _triton_ok = True
         except Exception:  # ImportError, or a broken install
             _triton_ok = False
@@ -70,9 +70,13 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
 
 
 def _impl(family: str, backend: str, tensor: torch.Tensor):
-    which = resolve_backend(backend, tensor)
-    suffix = "triton" if which == "triton" else "ref"
-    return importlib.import_module(f"{__name__}.{family}_{suffix}")
+    """The module of ``family`` (verify, sampling, soft_ce) for the resolved backend."""
+    if resolve_backend(backend, tensor) == "triton":
+        # imported on first use: triton is an optional dependency
+        from . import sampling_triton, soft_ce_triton, verify_triton
+
+        return {"verify": verify_triton, "sampling": sampling_triton, "soft_ce": soft_ce_triton}[family]
+    return {"verify": verify_ref, "sampling": sampling_ref, "soft_ce": soft_ce_ref}[family]
 
 
 # ---------------------------------------------------------------------------- sampling

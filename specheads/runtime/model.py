@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.layers import rope_inv_freq  # one RoPE implementation for heads and engine
+from specheads.heads.config import rope_from_config  # one RoPE config parser and
+from specheads.heads.layers import rope_inv_freq     # one RoPE implementation for heads and engine
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,16 +56,7 @@ class ModelArgs:
         mt = getattr(cfg, "model_type", "llama")
         if mt not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(f"runtime supports llama, mistral, qwen2, qwen3; got model_type={mt!r}")
-        rp = getattr(cfg, "rope_parameters", None)
-        rp = dict(rp) if isinstance(rp, dict) else {}
-        theta = float(rp.get("rope_theta", getattr(cfg, "rope_theta", 10000.0) or 10000.0))
-        scaling = None
-        if rp.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-        elif getattr(cfg, "rope_scaling", None):
-            scaling = dict(cfg.rope_scaling)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
+        theta, scaling = rope_from_config(cfg)
         heads = cfg.num_attention_heads
         eos = getattr(cfg, "eos_token_id", None)
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

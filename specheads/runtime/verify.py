@@ -1,9 +1,8 @@
 """Verification rules for the runtime — the one adapter between the engine and ``kernels/``.
 
 Everything the generation loop needs from the kernels passes through here:
-``target_probs``, inverse-CDF sampling and the chain / tree verify rules. The kernels'
-dispatcher (``specheads.kernels``, Triton on a GPU) is used when it exports the verify
-functions, else their PyTorch references (``verify_ref``, ``sampling_ref``).
+``target_probs``, inverse-CDF sampling and the chain / tree verify rules, through the
+kernels' dispatcher (``specheads.kernels``: Triton on a GPU, the PyTorch references on a CPU).
 
 Randomness enters as explicit uniforms, two per verified position and row:
 ``u_accept [B, T]`` (accept tests / tree coins) and ``u_sample [B, T]`` (inverse-CDF
@@ -18,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from specheads import kernels
+from specheads.kernels import verify_ref
+
 from .tree import DraftTree
 
 CHAIN_RULES = ("greedy", "rejection", "onehot")
@@ -25,30 +27,15 @@ TREE_RULES = ("greedy", "tree_target_only")
 RULES = ("greedy", "rejection", "onehot", "tree_target_only")
 
 
-def _kernels():
-    """The kernels' dispatcher (``specheads.kernels``) when it exports the verify functions,
-    else their PyTorch references."""
-    try:
-        import specheads.kernels as k
-        if all(hasattr(k, f) for f in ("greedy_verify", "rejection_verify", "onehot_verify", "tree_verify",
-                                        "target_probs")):
-            return k, k
-    except ImportError:
-        pass
-    from specheads.kernels import sampling_ref, verify_ref
-    return verify_ref, sampling_ref
-
-
 # ---------------------------------------------------------------------------- sampling
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """float32 probs after temperature, top-k, top-p (temperature 0 = one-hot argmax)."""
-    return _kernels()[1].target_probs(logits, temperature, top_k, top_p)
+    return kernels.target_probs(logits, temperature, top_k, top_p)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row from (unnormalised) probs [B, V] with uniforms u [B] (exact integer CDF)."""
-    from specheads.kernels.verify_ref import sample_inverse_cdf as draw
-    return draw(probs, probs, u)
+    return verify_ref.sample_inverse_cdf(probs, probs, u)
 
 
 # ---------------------------------------------------------------------------- chains
@@ -57,18 +44,17 @@ def verify_chain(rule: str, draft: torch.Tensor, num_drafts: torch.Tensor, p: to
     """draft [B, K]; num_drafts [B]; p [B, K+1, V] target probs (greedy: logits will do);
     q [B, K, V] draft probs (rule 'rejection'); u_accept [B, >=K], u_sample [B, >=1].
     Returns (num_accepted [B], tokens [B, K+1]): row b emits tokens[b, :num_accepted[b]+1]."""
-    kv, _ = _kernels()
     K = draft.shape[1]
     pos = torch.arange(K, device=draft.device)
     x = torch.where(pos[None, :] < num_drafts[:, None], draft, -1)
     if rule == "greedy":
-        r = kv.greedy_verify(x, p)
+        r = kernels.greedy_verify(x, p)
     elif rule == "rejection":
         if q is None:
             raise ValueError("rule 'rejection' needs draft probabilities")
-        r = kv.rejection_verify(x, q, p, u_accept[:, :K].contiguous(), u_sample[:, 0].contiguous())
+        r = kernels.rejection_verify(x, q, p, u_accept[:, :K].contiguous(), u_sample[:, 0].contiguous())
     elif rule == "onehot":
-        r = kv.onehot_verify(x, p, u_accept[:, :K].contiguous(), u_sample[:, 0].contiguous())
+        r = kernels.onehot_verify(x, p, u_accept[:, :K].contiguous(), u_sample[:, 0].contiguous())
     else:
         raise ValueError(f"unknown chain rule {rule!r}; use one of {CHAIN_RULES}")
     return r.num_accepted, r.out_tokens
@@ -102,14 +88,12 @@ def verify_tree(rule: str, tree: DraftTree, p: torch.Tensor, u_accept: torch.Ten
     tree_target_only is SGLang's rule (kernels.tree_verify): thresholds (single, acc),
     (1, 1) = lossless. greedy is the same walk on the one-hot target argmax with coins 1/2:
     the child equal to the argmax is accepted, every other child rejected."""
-    kv, _ = _kernels()
     B, N = tree.tokens.shape
     D = tree.max_depth()
     cand = torch.cat([torch.zeros_like(tree.tokens[:, :1]), tree.tokens], 1)
     nt, ns = tree_links(tree.parents)
     if rule == "greedy":
-        from specheads.kernels.verify_ref import argmax_lowest
-        am = argmax_lowest(p, -1)
+        am = verify_ref.argmax_lowest(p, -1)
         p = torch.nn.functional.one_hot(am, p.shape[-1]).float()
         u_accept = torch.full_like(u_accept, 0.5)
         th = (1.0, 1.0)
@@ -117,7 +101,7 @@ def verify_tree(rule: str, tree: DraftTree, p: torch.Tensor, u_accept: torch.Ten
         th = thresholds
     else:
         raise ValueError(f"unknown tree rule {rule!r}; use one of {TREE_RULES}")
-    r = kv.tree_verify(cand, nt, ns, p, u_accept[:, :N + 1].contiguous(), u_sample[:, 0].contiguous(), D,
+    r = kernels.tree_verify(cand, nt, ns, p, u_accept[:, :N + 1].contiguous(), u_sample[:, 0].contiguous(), D,
                        float(th[0]), float(th[1]))
     path = r.accept_index[:, 1:].clamp(min=0)
     return r.num_accepted, path, r.out_tokens.clamp(min=0)

@@ -4,11 +4,12 @@ Public API::
 
     run_train(recipe, target=None, feed=None, eval_feed=None, *, vocab=None) -> dict
     build_head(recipe, target, vocab=None) -> BuiltHead
-    load_trained_head(run_dir_or_checkpoint) -> (head, meta)
+
+The trained head is read back with ``specheads.export.trained.load_trained_head``.
 """
 from .builder import BuiltHead, HeadShapeError, build_head
-from .checkpoint import ResumeMismatchError, load_trained_head
+from .checkpoint import ResumeMismatchError
 from .loop import BatchError, TrainingDivergedError, run_train
 
-__all__ = ["run_train", "build_head", "BuiltHead", "load_trained_head", "HeadShapeError",
-           "ResumeMismatchError", "TrainingDivergedError", "BatchError"]
+__all__ = ["run_train", "build_head", "BuiltHead", "HeadShapeError", "ResumeMismatchError",
+           "TrainingDivergedError", "BatchError"]

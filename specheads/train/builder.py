@@ -3,7 +3,8 @@
 ``build_head(recipe, target, vocab=None) -> BuiltHead``:
 
 * ``HeadConfig.from_target_config`` (one decoder layer shaped like the
-  target's), aux layer ids from the recipe or the target's default;
+  target's), EAGLE-3 aux layer ids from the recipe or the target's default
+  (``Target.aux_layer_ids``; EAGLE-1 and MTP read no aux states);
 * draft vocabulary from the vocab stage (``recipe.vocab_dir``) for EAGLE-3
   when ``vocab.draft_vocab_size`` is smaller than the target vocab
   (EAGLE-1 and MTP share the target's lm_head: full vocabulary);
@@ -23,12 +24,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import _compat
+from specheads.data.vocab import load_vocab
+from specheads.errors import SpecheadsError
+from specheads.export.convert import load_any
+from specheads.export.trained import inject_lora
+from specheads.heads import HEAD_CLASSES, HeadConfig
+from specheads.heads.config import target_mismatches
 
 log = logging.getLogger("specheads.train")
 
 
-class HeadShapeError(ValueError):
+class HeadShapeError(SpecheadsError, ValueError):
     pass
 
 
@@ -68,7 +74,7 @@ def resolve_vocab(recipe, target, vocab=None):
             raise HeadShapeError(
                 f"vocab.draft_vocab_size={want} < target vocab {Vt} but no draft vocabulary at {vdir}: "
                 f"run `specheads vocab` first (or set vocab.draft_vocab_size=null for the full vocabulary)")
-        vocab = _compat.load_vocab(vdir)
+        vocab = load_vocab(vdir)
     d2t, t2d, stats = vocab
     d2t = None if d2t is None else torch.as_tensor(d2t, dtype=torch.int64)
     t2d = None if t2d is None else torch.as_tensor(t2d, dtype=torch.bool)
@@ -77,7 +83,7 @@ def resolve_vocab(recipe, target, vocab=None):
     if t2d is not None and t2d.numel() != Vt:
         raise HeadShapeError(
             f"draft vocabulary was built for a target vocab of {t2d.numel()} tokens, but the target "
-            f"{getattr(target, 'name', '?')} has {Vt}: rebuild it with `specheads vocab`")
+            f"{target.name} has {Vt}: rebuild it with `specheads vocab`")
     if want is not None and d2t.numel() != want and want < Vt:
         raise HeadShapeError(
             f"vocab.draft_vocab_size={want} but the vocabulary at {recipe.vocab_dir} has {d2t.numel()} "
@@ -91,15 +97,11 @@ def resolve_vocab(recipe, target, vocab=None):
 
 
 def head_config(recipe, target, draft_vocab_size: int):
-    HeadConfig = _compat.head_config_cls()
     h = recipe.head
-    aux = h.aux_layer_ids if h.aux_layer_ids is not None else (
-        target.default_aux_layer_ids() if h.kind == "eagle3" else [])
-    if aux:
-        try:
-            aux = target.check_layer_ids(aux, where="head.aux_layer_ids")
-        except ValueError as e:
-            raise HeadShapeError(str(e)) from None
+    try:
+        aux = target.aux_layer_ids(h.aux_layer_ids) if h.kind == "eagle3" else []
+    except ValueError as e:
+        raise HeadShapeError(str(e)) from None
     over = dict(num_layers=h.num_layers, norm_before_residual=h.norm_before_residual,
                 init_lm_head_from_target=h.init_lm_head_from_target, num_mtp_depths=h.num_mtp_depths,
                 mtp_loss_weights=h.mtp_loss_weights)
@@ -113,25 +115,15 @@ def head_config(recipe, target, draft_vocab_size: int):
 
 
 def check_head_against_target(cfg, target, where: str = "head") -> None:
-    """Shape facts of a head config that must agree with the target."""
-    errs = []
-    if int(cfg.target_hidden_size) != int(target.hidden_size):
-        errs.append(f"target_hidden_size {cfg.target_hidden_size} != target hidden size {target.hidden_size}")
-    if int(cfg.target_vocab_size) != int(target.vocab_size):
-        errs.append(f"target_vocab_size {cfg.target_vocab_size} != target vocab size {target.vocab_size}")
-    if cfg.kind in ("eagle1", "mtp") and int(cfg.hidden_size) != int(target.hidden_size):
-        errs.append(f"{cfg.kind} hidden_size {cfg.hidden_size} != target hidden size {target.hidden_size}")
-    if cfg.aux_layer_ids:
-        bad = [i for i in cfg.aux_layer_ids if not 0 <= int(i) <= target.num_layers]
-        if bad:
-            errs.append(f"aux_layer_ids {bad} out of range for a target with {target.num_layers} layers")
+    """Shape facts of a head config that must agree with the target (``heads.config.target_mismatches``)."""
+    errs = target_mismatches(cfg, target.identity())
     if errs:
-        raise HeadShapeError(f"{where} contradicts the target {getattr(target, 'name', '?')}: " + "; ".join(errs))
+        raise HeadShapeError(f"{where} contradicts the target {target.name}: " + "; ".join(errs))
 
 
 def _warm_start(recipe, target, cfg, d2t):
     path = recipe.head.warm_start
-    head, meta, fmt = _compat.load_exported_head(path)
+    head, meta, fmt = load_any(path)
     wcfg = head.cfg
     where = f"head.warm_start={path} ({fmt})"
     if wcfg.kind != cfg.kind:
@@ -154,12 +146,9 @@ def _warm_start(recipe, target, cfg, d2t):
 
 
 def _add_lora(head, lcfg):
-    from peft import LoraConfig, inject_adapter_in_model
-
-    conf = LoraConfig(r=lcfg.r, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                      target_modules=list(lcfg.target_modules), bias="none")
+    """Trainable LoRA adapters (the layout ``export.trained`` reads back) on a frozen head."""
     head.requires_grad_(False)
-    head = inject_adapter_in_model(conf, head)
+    head = inject_lora(head, r=lcfg.r, alpha=lcfg.alpha, dropout=lcfg.dropout, target_modules=lcfg.target_modules)
     n = 0
     for name, p in head.named_parameters():
         if "lora_" in name:
@@ -192,7 +181,7 @@ def build_head(recipe, target, vocab=None) -> BuiltHead:
                 head.lm_head.weight.copy_(lm_w)
                 head.lm_head.weight.requires_grad_(False)
     else:
-        head = _compat.head_classes()[cfg.kind](cfg)
+        head = HEAD_CLASSES[cfg.kind](cfg)
         if hasattr(head, "embed_tokens") and tuple(head.embed_tokens.weight.shape) != tuple(emb.shape):
             raise HeadShapeError(f"target embedding {tuple(emb.shape)} does not fit the head's "
                                  f"embed_tokens {tuple(head.embed_tokens.weight.shape)}: the head's hidden "
@@ -204,26 +193,3 @@ def build_head(recipe, target, vocab=None) -> BuiltHead:
             log.warning("head.lora.enabled without head.warm_start: LoRA adapters on a freshly initialised head")
         head = _add_lora(head, recipe.head.lora)
     return BuiltHead(head=head, cfg=cfg, d2t=d2t, t2d=t2d, vocab_stats=stats, lora=lora, warm_start=warm)
-
-
-def merged_state_dict(head: nn.Module) -> dict:
-    """The head's weights with LoRA adapters merged in (names as without LoRA)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # pragma: no cover
-        LoraLayer = ()
-    has_lora = any(isinstance(m, LoraLayer) for m in head.modules()) if LoraLayer else False
-    if not has_lora:
-        return {k: v.detach() for k, v in head.state_dict().items()}
-    import copy
-
-    h = copy.deepcopy(head)
-    for m in h.modules():
-        if isinstance(m, LoraLayer):
-            m.merge()
-    out = {}
-    for k, v in h.state_dict().items():
-        if "lora_" in k:
-            continue
-        out[k.replace(".base_layer.", ".")] = v.detach()
-    return out

@@ -1,15 +1,10 @@
 """Checkpoints (exact resume) and the ``final/`` head directory the export stage reads.
 
-Layout under ``recipe.train_dir``::
-
-    checkpoints/latest                  tag of the newest complete checkpoint (DeepSpeed)
-    checkpoints/step_N/                 DeepSpeed model + optimizer + scheduler states
-        client_state.json               resume fingerprint, step, target identity, head config
-        rank_{r}.pt                     per-rank data position (feed.state_dict()) and RNG states
-        head_config.json, meta.json     so a checkpoint alone can be loaded as a head
-    final/model.safetensors             plain head weights (LoRA merged), fp32
-    final/head_config.json              HeadConfig.to_dict()
-    final/meta.json                     target identity, aux layer ids, vocab stats, recipe, step
+The layout (names and the reader, ``load_trained_head``) is defined in
+:mod:`specheads.export.trained`; this module writes it:
+``checkpoints/step_N/`` (DeepSpeed states + ``client_state.json`` +
+``rank_{r}.pt`` + ``head_config.json``/``meta.json``), ``checkpoints/latest``
+and ``final/`` (``model.safetensors``, ``head_config.json``, ``meta.json``).
 
 A checkpoint is written only from a finite state: the trainer checks the
 loss before every backward and the gradient norm after every step, and
@@ -26,17 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _compat
-
-CKPT = "checkpoints"
-FINAL = "final"
-WEIGHTS = "model.safetensors"
-HEAD_CONFIG = "head_config.json"
-META = "meta.json"
-CLIENT = "client_state.json"
+from specheads.errors import SpecheadsError
+from specheads.export.trained import CKPT, CLIENT, FINAL, HEAD_CONFIG, LATEST, META, WEIGHTS
+from specheads.fileio import write_json_atomic
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(SpecheadsError, ValueError):
     pass
 
 
@@ -118,7 +108,7 @@ def checkpoint_root(train_dir) -> Path:
 
 def latest_checkpoint(train_dir) -> Path | None:
     root = checkpoint_root(train_dir)
-    latest = root / "latest"
+    latest = root / LATEST
     if not latest.is_file():
         return None
     tag = latest.read_text().strip()
@@ -138,9 +128,9 @@ def save_checkpoint(engine, train_dir, step: int, client: dict, rank_state: dict
     # The sidecar files go first: DeepSpeed writes `latest` last, so a tag it names is complete.
     torch.save(rank_state, tag_dir / f"rank_{rank}.pt")
     if rank == 0:
-        _write_json(tag_dir / CLIENT, client)
-        _write_json(tag_dir / HEAD_CONFIG, head_cfg)
-        _write_json(tag_dir / META, meta)
+        write_json_atomic(tag_dir / CLIENT, client)
+        write_json_atomic(tag_dir / HEAD_CONFIG, head_cfg)
+        write_json_atomic(tag_dir / META, meta)
     engine.save_checkpoint(str(root), tag=tag, client_state={"specheads": client}, save_latest=True)
     _barrier()
     return tag_dir
@@ -168,12 +158,6 @@ def _barrier():
         torch.distributed.barrier()
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- final/
 def save_final(train_dir, state_dict: dict, head_cfg: dict, meta: dict) -> Path:
     """Plain safetensors of the head + head_config.json + meta.json (written atomically)."""
@@ -186,68 +170,6 @@ def save_final(train_dir, state_dict: dict, head_cfg: dict, meta: dict) -> Path:
     tmp = out / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "specheads.train"})
     os.replace(tmp, out / WEIGHTS)
-    _write_json(out / HEAD_CONFIG, head_cfg)
-    _write_json(out / META, meta)
+    write_json_atomic(out / HEAD_CONFIG, head_cfg)
+    write_json_atomic(out / META, meta)
     return out
-
-
-def _resolve(path) -> tuple[str, Path]:
-    p = Path(path)
-    for cand in (p, p / FINAL, p / "train" / FINAL):
-        if (cand / WEIGHTS).is_file() and (cand / HEAD_CONFIG).is_file():
-            return "final", cand
-    for cand in (p, p / CKPT):
-        if (cand / "latest").is_file():
-            tag = (cand / "latest").read_text().strip()
-            return "checkpoint", cand / tag
-    for cand in (p / "train" / CKPT,):
-        if (cand / "latest").is_file():
-            return "checkpoint", cand / (cand / "latest").read_text().strip()
-    if (p / HEAD_CONFIG).is_file() and any(p.glob("*model_states.pt")):
-        return "checkpoint", p
-    raise FileNotFoundError(
-        f"{path}: no trained head here (looked for final/{WEIGHTS}, a train dir, or a DeepSpeed checkpoint)")
-
-
-def _checkpoint_module_state(tag_dir: Path) -> dict:
-    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-    sd = None
-    if files:
-        blob = torch.load(files[0], map_location="cpu", weights_only=False)
-        sd = blob.get("module")
-    if not sd or any(v.numel() == 0 for v in sd.values() if torch.is_tensor(v)):  # ZeRO-3: partitioned
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
-    return {k[len("head."):]: v for k, v in sd.items() if k.startswith("head.")}
-
-
-def load_trained_head(path) -> tuple[torch.nn.Module, dict]:
-    """``(head, meta)`` from a run dir, a train dir, its ``final/`` or a checkpoint (LoRA merged)."""
-    kind, d = _resolve(path)
-    HeadConfig = _compat.head_config_cls()
-    cfg = HeadConfig.from_dict(json.loads((d / HEAD_CONFIG).read_text()))
-    meta = json.loads((d / META).read_text()) if (d / META).is_file() else {}
-    head = _compat.head_classes()[cfg.kind](cfg)
-    if kind == "final":
-        from safetensors.torch import load_file
-
-        sd = load_file(str(d / WEIGHTS))
-    else:
-        sd = _checkpoint_module_state(d)
-        if any("lora_" in k for k in sd):
-            from types import SimpleNamespace
-
-            from .builder import _add_lora, merged_state_dict
-
-            lora = SimpleNamespace(**meta["lora"])
-            h = _add_lora(head, lora)
-            h.load_state_dict(sd, strict=True)
-            sd = merged_state_dict(h)
-            head = _compat.head_classes()[cfg.kind](cfg)
-    missing, unexpected = head.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.endswith("inv_freq")]
-    if missing or unexpected:
-        raise ValueError(f"{d}: weights do not fit the head config: missing {missing}, unexpected {unexpected}")
-    head.embed_tokens.weight.requires_grad_(False)
-    return head.float().eval(), meta

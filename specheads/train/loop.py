@@ -17,6 +17,11 @@
   constant), a ``LambdaLR`` DeepSpeed steps at each optimizer step.
 * bf16 per ``train.precision`` on GPUs that support it; on a CPU the run
   falls back to fp32 and says so.
+
+``_train`` is the loop; its steps are named functions: :func:`_setup` (seeds,
+target, head, feeds, engine -> a :class:`Run`), :func:`_resume`,
+:func:`_train_step` (one optimizer step), :func:`_log_train`, and the
+``Run`` methods ``evaluate`` (held-out eval), ``save_checkpoint`` and ``save_final``.
 """
 from __future__ import annotations
 
@@ -29,22 +34,27 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from specheads.dump.feed import make_feed
+from specheads.errors import SpecheadsError
+from specheads.export.trained import merged_state_dict
+from specheads.target import load_target_for
+
 from . import checkpoint as ckpt
-from .builder import BuiltHead, build_head, merged_state_dict
-from .logging import RunLogger
+from .builder import BuiltHead, build_head, target_weights
 from .losses import Objective, TargetLogits, mtp_weights, simulated_tau
+from .run_log import RunLogger
 
 log = logging.getLogger("specheads.train")
 
 
-class TrainingDivergedError(RuntimeError):
+class TrainingDivergedError(SpecheadsError, RuntimeError):
     """Loss or gradient norm became NaN/inf. Nothing was saved from the bad state."""
 
     def __init__(self, msg: str, step: int, rows=None):
@@ -53,7 +63,7 @@ class TrainingDivergedError(RuntimeError):
         self.rows = rows
 
 
-class BatchError(ValueError):
+class BatchError(SpecheadsError, ValueError):
     pass
 
 
@@ -263,20 +273,27 @@ class Window:
 
 
 # ---------------------------------------------------------------- the run
+def _check_inputs(recipe) -> None:
+    """A missing or stale store, token rows or draft vocabulary fails here, before any weights load."""
+    from specheads.config import check_stage_inputs
+    from specheads.data.stage import check_rows, check_vocab
+    from specheads.dump.reader import open_manifest
+
+    if recipe.dump.mode == "offline":
+        manifest = open_manifest(recipe.dump_dir)
+        check_stage_inputs(manifest.get("recipe_inputs"), recipe, "prepare", recipe.dump_dir,
+                           "specheads data prepare RECIPE` and `specheads dump RECIPE")
+    else:
+        check_rows(recipe)
+    if recipe.head.kind == "eagle3":
+        check_vocab(recipe)
+
+
 def _load_target(recipe, device):
-    from specheads.target import load_target
-
-    online = recipe.dump.mode == "online"
-    dev = str(device) if online else "cpu"
+    """The recipe's target: on the training device for online feeds, on the CPU (lm_head only) for dumps."""
+    dev = str(device) if recipe.dump.mode == "online" else "cpu"
     _say(f"loading target {recipe.target.source} ({recipe.target.dtype}, {dev})")
-    return load_target(recipe.target.source, dtype=recipe.target.dtype, device=dev, adapter=recipe.target.adapter,
-                       chat_template=recipe.target.chat_template, require_chat_template=False)
-
-
-def _identity(target) -> dict:
-    if hasattr(target, "identity"):
-        return dict(target.identity())
-    return {"name": getattr(target, "name", "?"), "config_hash": getattr(target, "config_hash", None)}
+    return load_target_for(recipe, device=dev, require_chat_template=False)
 
 
 def run_train(recipe, target=None, feed=None, eval_feed=None, *, vocab=None, progress: bool = True) -> dict:
@@ -285,223 +302,302 @@ def run_train(recipe, target=None, feed=None, eval_feed=None, *, vocab=None, pro
         return _train(recipe, target, feed, eval_feed, vocab, progress)
 
 
-def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
+@dataclass
+class Run:
+    """Everything one training run holds from :func:`_setup` to the end, and what it does besides stepping:
+    held-out eval, checkpoints, ``final/``."""
+
+    recipe: object
+    rank: int
+    world: int
+    device: torch.device
+    train_dir: Path
+    precision: str  # what runs, after effective_precision
+    built: BuiltHead
+    feed: object
+    eval_feed: object | None
+    total: int  # optimizer steps of the whole run
+    K: int  # TTT steps (EAGLE-3), depths (MTP) or 1 (EAGLE-1): entries of the per-step metrics
+    target_logits: TargetLogits
+    target_hidden: int
+    engine: object  # DeepSpeed engine around the Objective
+    scheduler: object
+    identity: dict  # Target.identity()
+    fingerprint: dict  # what a resumed run must share with its checkpoint
+    t_start: float
+    logger: RunLogger | None = None
+
+    @property
+    def cfg(self):
+        return self.built.cfg
+
+    @property
+    def head_cfg(self) -> dict:
+        return self.built.cfg.to_dict()
+
+    def meta(self, step: int, extra: dict | None = None) -> dict:
+        """``meta.json`` of a checkpoint or of ``final/``."""
+        cfg, built = self.built.cfg, self.built
+        return {"format": "specheads-train", "version": 1, "kind": cfg.kind, "step": step,
+                "target": self.identity, "aux_layer_ids": list(cfg.aux_layer_ids),
+                "draft_vocab_size": cfg.draft_vocab_size, "vocab": built.vocab_stats,
+                "recipe": self.recipe.to_dict(), "recipe_hash": self.recipe.hash(),
+                "lora": self.recipe.head.lora.model_dump(mode="json") if built.lora else None,
+                "warm_start": built.warm_start and {k: built.warm_start[k] for k in ("path", "format")},
+                "precision": self.precision, "world_size": self.world, **(extra or {})}
+
+    def evaluate(self, step: int) -> dict | None:
+        """Loss and accuracy over the held-out feed, logged as an ``eval`` row; None without one."""
+        if self.eval_feed is None:
+            return None
+        self.engine.eval()
+        win = Window(self.K, self.device)
+        with torch.no_grad():
+            for b in self.eval_feed:
+                b = _to_device(b, self.device)
+                check_batch(b, self.built, self.target_hidden)
+                win.add(self.engine(b, self.target_logits(b["final"])), int(b["attention_mask"].sum()))
+        self.engine.train()
+        if win.n == 0:
+            return None
+        row = {"split": "eval", "step": step, **win.summary()}
+        self.logger.log(row)
+        return row
+
+    def save_checkpoint(self, step: int, last_eval: dict | None) -> Path:
+        """A resumable checkpoint (collective: every rank calls it)."""
+        client = {"step": step, "fingerprint": self.fingerprint, "recipe_hash": self.recipe.hash(),
+                  "target": self.identity, "head_config": self.head_cfg, "world_size": self.world}
+        rank_state = {"feed": self.feed.state_dict() if hasattr(self.feed, "state_dict") else None,
+                      "rng": ckpt.rng_state(), "step": step}
+        return ckpt.save_checkpoint(self.engine, self.train_dir, step, client, rank_state, self.rank, self.head_cfg,
+                                    self.meta(step, {"eval": last_eval}))
+
+    def save_final(self, step: int, last_eval: dict | None) -> None:
+        """``final/``: the head's weights (LoRA merged, gathered under ZeRO-3), written by rank 0."""
+        with _gathered(self.engine, self.recipe.train.zero_stage):
+            sd = merged_state_dict(self.engine.module.head) if self.rank == 0 else None
+        if self.rank == 0:
+            ckpt.save_final(self.train_dir, sd, self.head_cfg, self.meta(step, {"eval": last_eval}))
+
+
+def _feeds(recipe, target, feed, eval_feed, rank: int, world: int):
+    """(train feed, eval feed or None): the given ones, else ``dump.feed.make_feed`` for this rank."""
+    if feed is not None:
+        return feed, eval_feed
+    feed = make_feed(recipe, target=target, split="train", rank=rank, world_size=world)
+    if eval_feed is None and recipe.train.eval_every and recipe.train.eval_fraction > 0:
+        try:
+            eval_feed = make_feed(recipe, target=target, split="eval", rank=rank, world_size=world)
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            _say(f"no held-out eval ({e})", rank)
+            eval_feed = None
+    return feed, eval_feed
+
+
+def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
+    """Seeds, target, head, feeds, loss and DeepSpeed engine (this order fixes the random stream)."""
     t_start = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _device(local_rank)
+    device = _device(int(os.environ.get("LOCAL_RANK", "0")))
     tcfg = recipe.train
     train_dir = Path(recipe.train_dir)
     if rank == 0:
         train_dir.mkdir(parents=True, exist_ok=True)
-
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
     precision = effective_precision(tcfg.precision, device, rank)
 
     if target is None:
+        if feed is None:
+            _check_inputs(recipe)
         target = _load_target(recipe, device)
     built = build_head(recipe, target, vocab)
     cfg = built.cfg
-    head = built.head
-
-    auto_feed = feed is None
-    if auto_feed:
-        feed = _compat.make_feed(recipe, target=target, split="train", rank=rank, world_size=world)
-    if eval_feed is None and auto_feed and tcfg.eval_every and tcfg.eval_fraction > 0:
-        try:
-            eval_feed = _compat.make_feed(recipe, target=target, split="eval", rank=rank, world_size=world)
-        except (ValueError, FileNotFoundError, RuntimeError) as e:
-            _say(f"no held-out eval ({e})", rank)
-            eval_feed = None
-    n_batches = len(feed)
-    if n_batches == 0:
+    feed, eval_feed = _feeds(recipe, target, feed, eval_feed, rank, world)
+    if len(feed) == 0:
         raise BatchError("the training feed is empty: no rows to train on")
-    total = total_steps(recipe, n_batches)
 
     K = cfg.num_mtp_depths if cfg.kind == "mtp" else (tcfg.ttt_steps if cfg.kind == "eagle3" else 1)
     weights = mtp_weights(recipe.head, cfg.num_mtp_depths, tcfg.loss_decay) if cfg.kind == "mtp" else None
-    objective = Objective(head, cfg.kind, steps=tcfg.ttt_steps, decay=tcfg.loss_decay,
+    objective = Objective(built.head, cfg.kind, steps=tcfg.ttt_steps, decay=tcfg.loss_decay,
                           eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel)
-
-    _, lm_w, lm_b = _target_lm_head(target)
+    _, lm_w, lm_b = target_weights(target)
     target_logits = TargetLogits(lm_w, built.d2t if cfg.kind == "eagle3" else None, lm_b).to(device)
-    target_hidden = int(target.hidden_size)
 
-    ds_cfg = deepspeed_config(recipe, precision)
+    total = total_steps(recipe, len(feed))
     sched = LRLambda(total, tcfg.warmup_steps, tcfg.scheduler, tcfg.min_lr_ratio)
-    engine, optimizer, scheduler = _initialize(objective, ds_cfg, sched, tcfg, device, rank)
+    engine, _, scheduler = _initialize(objective, deepspeed_config(recipe, precision), sched, tcfg, device, rank)
+    identity = dict(target.identity())
+    return Run(recipe=recipe, rank=rank, world=world, device=device, train_dir=train_dir, precision=precision,
+               built=built, feed=feed, eval_feed=eval_feed, total=total, K=K, target_logits=target_logits,
+               target_hidden=int(target.hidden_size), engine=engine, scheduler=scheduler, identity=identity,
+               fingerprint=ckpt.resume_fingerprint(recipe, identity, built.d2t, world, precision),
+               t_start=t_start)
 
-    identity = _identity(target)
-    fingerprint = ckpt.resume_fingerprint(recipe, identity, built.d2t, world, precision)
-    lora_meta = recipe.head.lora.model_dump(mode="json") if built.lora else None
-    head_cfg_dict = cfg.to_dict()
 
-    def meta(step_now: int, extra: dict | None = None) -> dict:
-        return {"format": "specheads-train", "version": 1, "kind": cfg.kind, "step": step_now,
-                "target": identity, "aux_layer_ids": list(cfg.aux_layer_ids),
-                "draft_vocab_size": cfg.draft_vocab_size, "vocab": built.vocab_stats,
-                "recipe": recipe.to_dict(), "recipe_hash": recipe.hash(), "lora": lora_meta,
-                "warm_start": built.warm_start and {k: built.warm_start[k] for k in ("path", "format")},
-                "precision": precision, "world_size": world, **(extra or {})}
+def _resume(run: Run) -> int | None:
+    """With ``train.resume``, load the latest checkpoint (weights, optimizer, scheduler, feed
+    position, RNG) after checking its fingerprint; returns its step, or None for a fresh start."""
+    tag = ckpt.latest_checkpoint(run.train_dir)
+    root = ckpt.checkpoint_root(run.train_dir)
+    if not run.recipe.train.resume:
+        if tag is not None:
+            _say(f"{root} holds checkpoints of an earlier run; train.resume=false: "
+                 f"starting over (they will be overwritten)", run.rank)
+        return None
+    if tag is None:
+        _say(f"train.resume=true but no checkpoint under {root}: starting fresh", run.rank)
+        return None
+    saved = ckpt.read_client_state(tag)
+    ckpt.compare_fingerprints(saved["fingerprint"], run.fingerprint, str(tag))
+    rank_state = ckpt.load_checkpoint(run.engine, tag, run.rank)
+    if hasattr(run.feed, "load_state_dict") and rank_state.get("feed") is not None:
+        run.feed.load_state_dict(rank_state["feed"])
+    ckpt.set_rng_state(rank_state["rng"])
+    step = int(saved["step"])
+    _say(f"resumed from {tag} at optimizer step {step}", run.rank)
+    return step
 
-    # ---- resume
-    step = 0
-    resume_step = None
-    if tcfg.resume:
-        tag = ckpt.latest_checkpoint(train_dir)
-        if tag is None:
-            _say(f"train.resume=true but no checkpoint under {ckpt.checkpoint_root(train_dir)}: starting fresh", rank)
-        else:
-            saved = ckpt.read_client_state(tag)
-            ckpt.compare_fingerprints(saved["fingerprint"], fingerprint, str(tag))
-            rank_state = ckpt.load_checkpoint(engine, tag, rank)
-            if hasattr(feed, "load_state_dict") and rank_state.get("feed") is not None:
-                feed.load_state_dict(rank_state["feed"])
-            ckpt.set_rng_state(rank_state["rng"])
-            step = resume_step = int(saved["step"])
-            _say(f"resumed from {tag} at optimizer step {step}", rank)
-    elif ckpt.latest_checkpoint(train_dir) is not None:
-        _say(f"{ckpt.checkpoint_root(train_dir)} holds checkpoints of an earlier run; train.resume=false: "
-             f"starting over (they will be overwritten)", rank)
 
-    logger = RunLogger(recipe, train_dir, rank=rank, resume_step=resume_step,
-                       run_config={"recipe": recipe.to_dict(), "head": head_cfg_dict, "target": identity})
+class Batches:
+    """The training feed pass after pass: ``next()`` restarts it at its end and counts the epoch;
+    two ends in a row (a pass with no batch) are a :class:`BatchError`."""
 
-    def save(step_now: int, last_eval: dict | None) -> Path:
-        client = {"step": step_now, "fingerprint": fingerprint, "recipe_hash": recipe.hash(),
-                  "target": identity, "head_config": head_cfg_dict, "world_size": world}
-        rank_state = {"feed": feed.state_dict() if hasattr(feed, "state_dict") else None, "rng": ckpt.rng_state(),
-                      "step": step_now}
-        return ckpt.save_checkpoint(engine, train_dir, step_now, client, rank_state, rank, head_cfg_dict,
-                                    meta(step_now, {"eval": last_eval}))
+    def __init__(self, feed):
+        self.feed = feed
+        self.epoch = 0
+        self._it = iter(feed)
 
-    def evaluate(step_now: int) -> dict | None:
-        if eval_feed is None:
-            return None
-        engine.eval()
-        win = Window(K, device)
-        with torch.no_grad():
-            for b in eval_feed:
-                b = _to_device(b, device)
-                check_batch(b, built, target_hidden)
-                win.add(engine(b, target_logits(b["final"])), int(b["attention_mask"].sum()))
-        engine.train()
-        if win.n == 0:
-            return None
-        row = {"split": "eval", "step": step_now, **win.summary()}
-        logger.log(row)
-        return row
+    def next(self) -> dict:
+        ends = 0
+        while True:
+            try:
+                return next(self._it)
+            except StopIteration:
+                ends += 1
+                if ends > 1:
+                    raise BatchError("the training feed yields no batches") from None
+                self.epoch += 1
+                self._it = iter(self.feed)
 
+
+def _train_step(run: Run, batches: Batches, win: Window, step: int) -> tuple[float | None, float]:
+    """Optimizer step ``step + 1``: forward/backward over micro-batches up to the gradient accumulation
+    boundary, then ``engine.step()``. Adds each micro-batch to ``win``; returns (grad norm, lr used)."""
+    engine, tcfg = run.engine, run.recipe.train
+    micro = 0
+    while True:
+        batch = _to_device(batches.next(), run.device)
+        check_batch(batch, run.built, run.target_hidden)
+        out = engine(batch, run.target_logits(batch["final"]))
+        bad = torch.tensor(0.0 if torch.isfinite(out.loss.detach()).item() else 1.0, device=run.device)
+        if float(_allreduce(bad, dist.ReduceOp.MAX)) > 0:
+            raise _diverged(f"loss is {float(out.loss.detach())}", step + 1, micro, batches.epoch, batch,
+                            run.train_dir)
+        engine.backward(out.loss)
+        win.add(out, int(batch["attention_mask"].sum()) * run.world)
+        boundary = engine.is_gradient_accumulation_boundary()
+        own_gn = None
+        if boundary:
+            lr = float(run.scheduler.get_last_lr()[0]) if run.scheduler is not None else float(tcfg.lr)
+            if tcfg.zero_stage == 0 and run.precision == "fp32":  # DeepSpeed reports no norm here
+                own_gn = _grad_norm(engine.module)
+        engine.step()
+        micro += 1
+        if boundary:
+            break
+    gn = engine.get_global_grad_norm()
+    gn = float(gn) if gn is not None else own_gn
+    if gn is not None and not math.isfinite(gn):
+        raise _diverged(f"gradient norm is {gn}", step + 1, None, batches.epoch, batch, run.train_dir)
+    return gn, lr
+
+
+def _log_train(run: Run, step: int, epoch: int, win: Window, gn, lr: float, t_window: float, pbar) -> float:
+    """Log the ``train`` row of the window ending at ``step``; returns its loss."""
+    now = time.time()
+    s = win.summary()
+    row = {"split": "train", "step": step, "epoch": epoch, **s, "lr": lr, "grad_norm": gn, "tokens": win.tokens,
+           "tokens_per_s": win.tokens / max(1e-9, now - t_window), "elapsed_s": now - run.t_start}
+    run.logger.log(row)
+    if pbar is not None:
+        pbar.set_postfix(loss=f"{s['loss']:.3f}", acc0=f"{s['step_acc'][0]:.2f}",
+                         tau=f"{s['sim_tau']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}")
+    return s["loss"]
+
+
+def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
+    """Setup, resume, then optimizer steps (logging, eval and checkpoints on their schedules);
+    a last eval, checkpoint and ``final/``. Returns the run's summary."""
+    run = _setup(recipe, target, feed, eval_feed, vocab)
+    resume_step = _resume(run)
+    step = resume_step or 0
+    tcfg = recipe.train
+    run.logger = RunLogger(recipe, run.train_dir, rank=run.rank, resume_step=resume_step,
+                           run_config={"recipe": recipe.to_dict(), "head": run.head_cfg, "target": run.identity})
     pbar = None
-    if rank == 0 and progress:
+    if run.rank == 0 and progress:
         from tqdm.auto import tqdm
 
-        pbar = tqdm(total=total, initial=step, desc=f"train {cfg.kind}", dynamic_ncols=True, file=sys.stderr)
+        pbar = tqdm(total=run.total, initial=step, desc=f"train {run.cfg.kind}", dynamic_ncols=True,
+                    file=sys.stderr)
 
     losses: list[float] = []
-    last_eval = None
     tokens_total = 0
-    epoch = 0
-    empty_iters = 0
-    it = iter(feed)
-    win = Window(K, device)
-    t_window = time.time()
-    micro = 0
+    last_eval = None
     last_saved = resume_step
-    engine.train()
-    if resume_step is None and eval_feed is not None:
-        last_eval = evaluate(0)  # the untrained baseline
+    batches = Batches(run.feed)
+    win = Window(run.K, run.device)  # metrics since the last logged step
+    t_window = time.time()
+    run.engine.train()
+    if resume_step is None:
+        last_eval = run.evaluate(0)  # the untrained baseline
+    t_loop = time.time()  # tokens/s counts the training loop (as the progress bar does), not set-up
     try:
-        while step < total:
-            try:
-                batch = next(it)
-                empty_iters = 0
-            except StopIteration:
-                empty_iters += 1
-                if empty_iters > 1:
-                    raise BatchError("the training feed yields no batches") from None
-                epoch += 1
-                it = iter(feed)
-                continue
-            batch = _to_device(batch, device)
-            check_batch(batch, built, target_hidden)
-            tv = target_logits(batch["final"])
-            out = engine(batch, tv)
-            bad = torch.tensor(0.0 if torch.isfinite(out.loss.detach()).item() else 1.0, device=device)
-            if float(_allreduce(bad, dist.ReduceOp.MAX)) > 0:
-                raise _diverged(f"loss is {float(out.loss.detach())}", step + 1, micro, epoch, batch, train_dir)
-            engine.backward(out.loss)
-            ntok = int(batch["attention_mask"].sum()) * world
-            win.add(out, ntok)
-            boundary = engine.is_gradient_accumulation_boundary()
-            own_gn = None
-            if boundary:
-                lr_now = float(scheduler.get_last_lr()[0]) if scheduler is not None else float(tcfg.lr)
-                if tcfg.zero_stage == 0 and precision == "fp32":  # DeepSpeed reports no norm here
-                    own_gn = _grad_norm(engine.module)
-            engine.step()
-            micro += 1
-            if not boundary:
-                continue
+        while step < run.total:
+            gn, lr = _train_step(run, batches, win, step)
             step += 1
-            micro = 0
-            gn = engine.get_global_grad_norm()
-            gn = float(gn) if gn is not None else own_gn
-            if gn is not None and not math.isfinite(gn):
-                raise _diverged(f"gradient norm is {gn}", step, None, epoch, batch, train_dir)
             tokens_total += win.tokens
-            if step % logger.every == 0 or step == total:
-                now = time.time()
-                s = win.summary()
-                row = {"split": "train", "step": step, "epoch": epoch, **s,
-                       "lr": lr_now,
-                       "grad_norm": gn, "tokens": win.tokens, "tokens_per_s": win.tokens / max(1e-9, now - t_window),
-                       "elapsed_s": now - t_start}
-                logger.log(row)
-                losses.append(s["loss"])
-                if pbar is not None:
-                    pbar.set_postfix(loss=f"{s['loss']:.3f}", acc0=f"{s['step_acc'][0]:.2f}",
-                                     tau=f"{s['sim_tau']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                win = Window(K, device)
+            if step % run.logger.every == 0 or step == run.total:
+                losses.append(_log_train(run, step, batches.epoch, win, gn, lr, t_window, pbar))
+                win = Window(run.K, run.device)
                 t_window = time.time()
             if pbar is not None:
                 pbar.update(1)
-            if tcfg.eval_every and step % tcfg.eval_every == 0 and step < total:
-                last_eval = evaluate(step) or last_eval
-            if tcfg.save_every and step % tcfg.save_every == 0 and step < total:
-                save(step, last_eval)
+            if tcfg.eval_every and step % tcfg.eval_every == 0 and step < run.total:
+                last_eval = run.evaluate(step) or last_eval
+            if tcfg.save_every and step % tcfg.save_every == 0 and step < run.total:
+                run.save_checkpoint(step, last_eval)
                 last_saved = step
     except TrainingDivergedError:
         if pbar is not None:
             pbar.close()
-        logger.close(plot=True)
+        run.logger.close(plot=True)
         raise
     if pbar is not None:
         pbar.close()
+    loop_s = time.time() - t_loop
 
-    final_eval = evaluate(step) if eval_feed is not None else None
-    last_eval = final_eval or last_eval
+    last_eval = run.evaluate(step) or last_eval
     if last_saved != step:
-        save(step, last_eval)
-    final_dir = train_dir / ckpt.FINAL
-    with _gathered(engine, tcfg.zero_stage):
-        sd = merged_state_dict(engine.module.head) if rank == 0 else None
-    if rank == 0:
-        ckpt.save_final(train_dir, sd, head_cfg_dict, meta(step, {"eval": last_eval}))
-    plots = logger.close(plot=True)
+        run.save_checkpoint(step, last_eval)
+    run.save_final(step, last_eval)
+    plots = run.logger.close(plot=True)
     if dist.is_initialized():
         dist.barrier()
-    elapsed = time.time() - t_start
+    elapsed = time.time() - run.t_start
+    train_dir = run.train_dir
     return {
-        "kind": cfg.kind, "steps": step, "start_step": resume_step or 0, "total_steps": total,
+        "kind": run.cfg.kind, "steps": step, "start_step": resume_step or 0, "total_steps": run.total,
         "losses": losses, "final_loss": losses[-1] if losses else None, "eval": last_eval,
-        "train_dir": str(train_dir), "final_dir": str(final_dir),
+        "train_dir": str(train_dir), "final_dir": str(train_dir / ckpt.FINAL),
         "checkpoint": str(ckpt.checkpoint_root(train_dir) / f"step_{step}"),
         "metrics": str(train_dir / "metrics.jsonl"), "plots": [str(p) for p in plots],
-        "tokens": tokens_total, "elapsed_s": elapsed, "tokens_per_s": tokens_total / max(1e-9, elapsed),
-        "precision": precision, "world_size": world, "epochs_seen": epoch + 1,
+        "tokens": tokens_total, "elapsed_s": elapsed, "train_loop_s": loop_s,
+        "tokens_per_s": tokens_total / max(1e-9, loop_s),
+        "precision": run.precision, "world_size": run.world, "epochs_seen": batches.epoch + 1,
     }
 
 
@@ -556,12 +652,6 @@ def _gathered(engine, zero_stage: int):
             yield
     else:
         yield
-
-
-def _target_lm_head(target):
-    from .builder import target_weights
-
-    return target_weights(target)
 
 
 def _diverged(what: str, step: int, micro, epoch: int, batch: dict, train_dir: Path) -> TrainingDivergedError:

@@ -40,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _compat
+from specheads.heads.layers import causal_mask
+from specheads.heads.ttt import ttt_forward
+from specheads.kernels import soft_cross_entropy
 
 
 # ---------------------------------------------------------------- target side (frozen)
@@ -150,7 +152,7 @@ def distill_step(logits: torch.Tensor, tv: TargetView, loss_mask: torch.Tensor, 
         return StepResult(zero, torch.zeros((), dtype=torch.int64, device=logits.device), count)
     dl = logits[b, t]
     tl = tv.logits[b, t + 1 + k]
-    ce = _compat.soft_cross_entropy(dl, tl.to(dl.device), backend=backend)
+    ce = soft_cross_entropy(dl, tl.to(dl.device), backend=backend)
     loss = ce.float().sum() / b.numel()
     with torch.no_grad():
         hits = (dl.argmax(-1) == tv.argmax[b, t + 1 + k].to(dl.device)).sum()
@@ -176,10 +178,20 @@ class LossOutput:
     extra: dict = field(default_factory=dict)  # detached scalars (e.g. EAGLE-1 feature loss)
 
 
+def eagle1_forward(head, input_ids, final, attention_mask):
+    """Teacher-forced EAGLE-1 step: input x_{t+1} and f_t -> (logits [B,T,Vt], f̂_{t+1} [B,T,H])."""
+    B, T = input_ids.shape
+    pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
+    mask = causal_mask(T, input_ids.device)[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()[:, None, None, :]
+    return head.forward_step(shift_left(input_ids, 1, 0), final, pos, mask)
+
+
 def eagle3_loss(head, batch: dict, tv: TargetView, steps: int, decay: float, backend: str = "auto") -> LossOutput:
     aux = batch["aux"]
     aux = aux.to(head.fc.weight.dtype)
-    logits = _compat.ttt_forward(head, batch["input_ids"], aux, batch.get("attention_mask"), steps)
+    logits = ttt_forward(head, batch["input_ids"], aux, batch.get("attention_mask"), steps)
     return _combine([distill_step(lg, tv, batch["loss_mask"], k, batch.get("attention_mask"), backend)
                      for k, lg in enumerate(logits)], [decay ** k for k in range(len(logits))])
 
@@ -188,7 +200,7 @@ def eagle1_loss(head, batch: dict, tv: TargetView, ce_weight: float, backend: st
     """SmoothL1(f̂_{t+1}, final_{t+1}) + ce_weight · soft-CE(lm_head(f̂_{t+1}), lm_head(final_{t+1}))."""
     final = batch["final"].to(head.fc.weight.dtype)
     attn = batch.get("attention_mask")
-    logits, feat = _compat.eagle1_forward(head, batch["input_ids"], final, attn)
+    logits, feat = eagle1_forward(head, batch["input_ids"], final, attn)
     tok = distill_step(logits, tv, batch["loss_mask"], 0, attn, backend)
     valid = counted_positions(batch["loss_mask"], tv.in_vocab, 0, attn)
     b, t = valid.nonzero(as_tuple=True)
@@ -203,7 +215,7 @@ def eagle1_loss(head, batch: dict, tv: TargetView, ce_weight: float, backend: st
 
 def mtp_loss(head, batch: dict, tv: TargetView, weights: list[float], backend: str = "auto") -> LossOutput:
     final = batch["final"].to(head.lm_head.weight.dtype)
-    logits = _compat.mtp_forward(head, batch["input_ids"], final, batch.get("attention_mask"))
+    logits, _ = head.forward_train(batch["input_ids"], final, batch.get("attention_mask"))
     return _combine([distill_step(lg, tv, batch["loss_mask"], d, batch.get("attention_mask"), backend)
                      for d, lg in enumerate(logits)], weights)
 

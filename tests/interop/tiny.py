@@ -59,27 +59,13 @@ def fake_run(run_dir, head, target_name="org/tiny-target", recipe_overrides: dic
             "recipe": recipe, "recipe_hash": "feedfacefeedface", "lora": None, "warm_start": None,
             "precision": "fp32", "world_size": 1, "eval": {"loss": 1.23}}
     train_dir = run_dir / "train"
-    try:
-        from specheads.train.checkpoint import save_final
-    except ImportError:  # trainer not installed: same layout by hand
-        save_final = _save_final
+    from specheads.train.checkpoint import save_final
+
     save_final(train_dir, head.state_dict(), head.cfg.to_dict(), meta)
     if eval_report is not None:
         (run_dir / "eval").mkdir(parents=True, exist_ok=True)
         (run_dir / "eval" / "report.json").write_text(json.dumps(eval_report))
     return run_dir
-
-
-def _save_final(train_dir, state_dict, head_cfg, meta):
-    from safetensors.torch import save_file
-
-    out = Path(train_dir) / "final"
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().float().contiguous() if v.is_floating_point() else v.contiguous()
-               for k, v in state_dict.items()}, str(out / "model.safetensors"))
-    (out / "head_config.json").write_text(json.dumps(head_cfg))
-    (out / "meta.json").write_text(json.dumps(meta))
-    return out
 
 
 def tiny_verifier(d, seed=0) -> Path:

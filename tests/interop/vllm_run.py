@@ -2,9 +2,9 @@
 
 Usage (under the vLLM interpreter): ``python tests/interop/vllm_run.py JOB.json``.
 
-The worker itself is ``worker_main`` in ``specheads/runtime/vllm_compare.py`` — the same code
+The worker itself is ``worker_main`` in ``specheads/evaluate/vllm_worker.py`` — the same code
 ``specheads eval --engine vllm`` runs — loaded here by path, because the vLLM venv does not
-have specheads installed (and must not import it: that file's worker half imports only the
+have specheads installed (and must not import it: that file imports only the
 standard library and vLLM).  JOB.json: ``model``, ``dtype``, ``max_model_len``, ``max_tokens``,
 ``temperature``, ``ignore_eos``, ``speculative_config`` (or null), ``conversations``
 (``id``, ``turns``, ``prompt_token_ids`` per turn), ``output``.  The output holds, per turn,
@@ -17,7 +17,7 @@ import runpy
 import sys
 from pathlib import Path
 
-WORKER = Path(__file__).resolve().parents[2] / "specheads" / "runtime" / "vllm_compare.py"
+WORKER = Path(__file__).resolve().parents[2] / "specheads" / "evaluate" / "vllm_worker.py"
 
 if __name__ == "__main__":
     mod = runpy.run_path(str(WORKER), run_name="specheads_vllm_worker")

@@ -12,12 +12,12 @@ wandb runs in ``recipe.train.logging.wandb`` mode (offline by default) with
 from __future__ import annotations
 
 import json
-import logging as _pylog
+import logging
 import math
 import os
 from pathlib import Path
 
-log = _pylog.getLogger("specheads.train")
+log = logging.getLogger("specheads.train")
 
 METRICS = "metrics.jsonl"
 
@@ -149,9 +149,11 @@ def plot_metrics(metrics_path, out_dir) -> list[Path]:
     n = max((len(r.get("step_acc") or []) for r in src), default=0)
     for k in range(n):
         pts = [(r["step"], num(r["step_acc"][k])) for r in src if len(r.get("step_acc") or []) > k]
-        a1.plot([s for s, _ in pts], [a for _, a in pts], label=f"step {k}", lw=1)
+        # k is the draft position (TTT unroll step), not the optimizer step on the x-axis
+        a1.plot([s for s, _ in pts], [a for _, a in pts], label=f"draft token {k + 1} (TTT step {k})", lw=1)
     a1.set_xlabel("optimizer step")
-    a1.set_ylabel("accuracy" + (" (eval)" if ev else " (train)"))
+    a1.set_ylabel("top-1 accuracy" + (" (held out)" if ev else " (train)"))
+    a1.set_title("accuracy per draft position")
     if n:
         a1.legend(fontsize=7)
     for name, rs in (("train", train), ("eval", ev)):
@@ -159,6 +161,7 @@ def plot_metrics(metrics_path, out_dir) -> list[Path]:
             a2.plot([r["step"] for r in rs], [num(r.get("sim_tau")) for r in rs], label=name)
     a2.set_xlabel("optimizer step")
     a2.set_ylabel("simulated acceptance length τ")
+    a2.set_title("1 + Σ_k Π_{j≤k} acc_j")
     a2.legend()
     fig.tight_layout()
     p2 = out / "acc.png"

@@ -1,4 +1,7 @@
-"""A tiny synthetic target and feed: tests and benchmarks of the trainer without a dump.
+"""Test fixture: a tiny synthetic target and feed, to test the trainer without a dump.
+
+Import it as ``from synthetic_target import ...`` (pytest puts ``tests/`` on ``sys.path``;
+scripts insert that directory themselves).
 
 The target is a random Hugging Face Llama (``tiny_target``) whose lm_head rows
 are unit vectors ``U[v]`` (scaled). ``SyntheticFeed`` yields rows of a

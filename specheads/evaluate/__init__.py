@@ -1,0 +1,1 @@
+"""The eval stage: runs the engine on prompts, writes acceptance reports, compares with vLLM."""

@@ -1,0 +1,251 @@
+"""`specheads eval`: acceptance of draft heads in the bundled runtime, with lossless checks.
+
+For every prompt (multi-turn prompts turn by turn) the target generates once
+without drafting (the baseline: tokens/s and the reference outputs) and once
+per run (head × k × rule, plus n-gram when compared). The report gives τ,
+vLLM's τ, acceptance rate, α_i, τ per category, tokens/s and speedup, and the
+lossless checks: greedy outputs must equal the baseline token for token;
+sampled outputs must keep the target's per-position token distribution
+(two-sample χ² against plain sampling).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specheads.data.formats import load_prompts
+from specheads.data.sources import resolve_source, split_holdout
+from specheads.errors import SpecheadsError
+from specheads.evaluate.lossless import chi_square_check, greedy_lossless
+from specheads.evaluate.report import write_report
+from specheads.export.convert import load_head_for
+from specheads.runtime.chat import chat_generate
+from specheads.runtime.drafters import NGramDrafter, drafter_for_head
+from specheads.runtime.metrics import summarize
+from specheads.runtime.model import TargetModel
+from specheads.runtime.tree import TreeConfig
+from specheads.target import load_target_for
+
+
+class EvalError(SpecheadsError, ValueError):
+    pass
+
+
+@dataclass
+class RunSpec:
+    name: str
+    drafter: str                  # "ngram" | head directory
+    k: int = 3
+    tree: str | None = None       # "depth,topk,tokens"
+    rule: str = "greedy"
+    thresholds: tuple[float, float] = (1.0, 1.0)
+    expect: str = "pass"          # "fail" for deliberately lossy settings (relaxed thresholds)
+
+    def tree_config(self) -> TreeConfig | None:
+        return parse_tree(self.tree) if self.tree else None
+
+
+def parse_tree(tree: str) -> TreeConfig:
+    try:
+        d, tk, n = (int(x) for x in tree.split(","))
+    except ValueError:
+        raise EvalError(f"eval.tree {tree!r}: expected depth,topk,tokens (e.g. 4,4,16)") from None
+    cfg = TreeConfig(d, tk, n)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise EvalError(f"eval.tree {tree!r}: {e}") from None
+    return cfg
+
+
+# --- what to run: every check here happens before any weights load -------------------------
+
+
+def plan_runs(recipe) -> list[RunSpec]:
+    """The report's runs from ``recipe.eval``: heads × rules × k, then the compared drafters."""
+    e = recipe.eval
+    if e.split == "holdout" and recipe.data.holdout_fraction <= 0:
+        raise EvalError("eval.split=holdout needs data.holdout_fraction > 0")
+    heads = e.as_list("head") if e.head is not None else [str(recipe.export_dir)]
+    ks, rules = e.as_list("k"), e.as_list("rule")
+    tree = e.tree
+    if tree:
+        parse_tree(tree)
+    runs: list[RunSpec] = []
+    for h in heads:
+        if not Path(h).is_dir():
+            raise EvalError(f"eval.head: head directory not found: {h}"
+                            + (" (run `specheads export` first?)" if e.head is None else ""))
+        label = Path(h).name if len(heads) > 1 else "head"
+        for rule in rules:
+            if tree:
+                runs.append(RunSpec(f"{label} tree {tree} {rule}", h, k=ks[0], tree=tree, rule=rule))
+                continue
+            runs += [RunSpec(f"{label} k={k} {rule}", h, k=k, rule=rule) for k in ks]
+    for _ in e.compare:  # only 'ngram' (the schema allows nothing else)
+        # n-gram drafts are one-hot: rejection with draft probabilities reduces to the one-hot rule
+        for rule in dict.fromkeys("onehot" if r == "rejection" else r for r in rules):
+            if rule != "tree_target_only":
+                runs += [RunSpec(f"ngram k={k} {rule}", "ngram", k=k, rule=rule) for k in ks]
+    if e.thresholds:
+        a, b = (float(x) for x in e.thresholds.split(","))
+        for r in list(runs):
+            if r.rule == "tree_target_only" and r.drafter != "ngram":
+                runs.append(RunSpec(f"{r.name} relaxed({a},{b})", r.drafter, k=r.k, tree=r.tree, rule=r.rule,
+                                    thresholds=(a, b), expect="fail"))
+    if not runs:
+        raise EvalError("eval: nothing to compare — give a head (eval.head / --head) or a weightless drafter "
+                        "(eval.compare / --compare ngram)")
+    return runs
+
+
+def load_eval_prompts(recipe) -> tuple[list[dict], str]:
+    e = recipe.eval
+    path = resolve_source(e.prompts)
+    items = load_prompts(path)
+    if e.split == "holdout":
+        _, items = split_holdout(items, recipe.data.holdout_fraction)
+    items = [it for it in items if it["turns"] and all(t.strip() for t in it["turns"])]
+    if e.limit:
+        items = items[: e.limit]
+    if not items:
+        raise EvalError(f"no prompts left from {e.prompts} (split {e.split}, limit {e.limit})")
+    return items, str(path)
+
+
+def build_drafter(spec: RunSpec, target, dtype, device):
+    """The runtime drafter of a run: n-gram, or a head directory made whole for (and checked against) the target."""
+    if spec.drafter == "ngram":
+        return NGramDrafter()
+    head, _meta = load_head_for(spec.drafter, target)
+    return drafter_for_head(head.to(device=device, dtype=dtype).eval())
+
+
+# --- the evaluation ------------------------------------------------------------------------
+
+
+def _engine_for(target, prompts: list[dict], e) -> TargetModel:
+    tok = target.tokenizer
+    # cache sized for the longest conversation: every turn's prompt plus every answer plus draft slack
+    longest = max(sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 64 for t in it["turns"]) + len(it["turns"])
+                  * (e.max_new_tokens + 40) for it in prompts)
+    max_pos = int(getattr(target.config, "max_position_embeddings", 4096) or 4096)
+    batch = max(e.batch_size, min(64, e.chi_square_draws) if e.chi_square_draws else 1)
+    return TargetModel.from_hf(target.model, max_batch=batch, max_seq=min(max_pos, longest + 64))
+
+
+def _per_category(results) -> dict:
+    by = defaultdict(list)
+    for r in results:
+        by[r.category or "uncategorised"].extend(r.records)
+    return {c: summarize(recs)["tau"] for c, recs in sorted(by.items()) if recs}
+
+
+class _Progress:
+    """One bar per run, counted in generated tokens."""
+
+    def __init__(self, total: int, label: str):
+        self.bar = tqdm(total=total, desc=label, unit="tok", leave=False)
+
+    def __enter__(self):
+        return lambda n: self.bar.update(n)
+
+    def __exit__(self, *exc):
+        self.bar.close()
+
+
+def run_eval(recipe, target=None) -> dict:
+    """Plain decoding, then every planned run; writes report.json/.md and plots to ``recipe.eval_dir``."""
+    e = recipe.eval
+    specs = plan_runs(recipe)
+    if e.engine == "vllm":
+        from specheads.evaluate.vllm_compare import find_vllm_python
+
+        find_vllm_python()  # a missing or unsupported vLLM fails before any of our runs
+    prompts, prompt_path = load_eval_prompts(recipe)
+    if target is None:
+        target = load_target_for(recipe)
+    tok = target.tokenizer
+    engine = _engine_for(target, prompts, e)
+    cuda_graphs = engine.device.type == "cuda"
+    n_tokens = len(prompts) * e.max_new_tokens
+    sampling = e.temperature > 0
+    plain_rule = "onehot" if sampling else "greedy"
+    common = dict(max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, temperature=e.temperature,
+                  top_k=e.top_k, top_p=e.top_p, seed=recipe.seed, use_cuda_graphs=cuda_graphs)
+
+    # untimed warm-up: the first calls pay one-off costs (allocator, graph capture) that would
+    # otherwise land on the plain baseline and inflate every speedup
+    chat_generate(engine, tok, prompts[:1], **{**common, "max_new_tokens": min(8, e.max_new_tokens)}, rule=plain_rule)
+    with _Progress(n_tokens, "plain") as cb:
+        plain, plain_s = chat_generate(engine, tok, prompts, rule=plain_rule, progress=cb, **common)
+    plain_tokens = sum(len(a) for r in plain for a in r.answer_tokens)
+    baseline = {"name": "plain (no drafting)", "engine": "specheads", "temperature": e.temperature,
+                "tokens_per_s": plain_tokens / plain_s if plain_s else float("nan"), "generated_tokens": plain_tokens,
+                "seconds": plain_s}
+
+    runs, drafters = [], {}
+    for spec in specs:
+        if spec.drafter not in drafters:
+            drafters[spec.drafter] = build_drafter(spec, target, engine.dtype, engine.device)
+        drafter = drafters[spec.drafter]
+        with _Progress(n_tokens, spec.name) as cb:
+            res, secs = chat_generate(engine, tok, prompts, drafter=drafter, k=spec.k, tree=spec.tree_config(),
+                                      rule=spec.rule, thresholds=spec.thresholds, progress=cb, **common)
+        records = [rec for r in res for rec in r.records]
+        m = summarize(records, secs, sum(len(a) for r in res for a in r.answer_tokens))
+        run = {"name": spec.name, "engine": "specheads", "drafter": "n-gram" if spec.drafter == "ngram" else spec.drafter,
+               "k": spec.k, "tree": spec.tree, "rule": spec.rule, "thresholds": list(spec.thresholds),
+               "temperature": e.temperature, "metrics": m, "per_category": _per_category(res),
+               "tokens_per_s": m.get("tokens_per_s"),
+               "speedup": (m["tokens_per_s"] / baseline["tokens_per_s"]) if baseline["tokens_per_s"] else None}
+        if not sampling:
+            run["lossless"] = greedy_lossless(plain, res, target, tok)
+        elif e.chi_square_draws:
+            run["lossless"] = chi_square_check(engine, tok, prompts, spec, drafter, draws=e.chi_square_draws,
+                                               temperature=e.temperature, top_k=e.top_k, top_p=e.top_p,
+                                               seed=recipe.seed)
+        runs.append(run)
+        print(f"{spec.name}: τ={m['tau']:.3f} (vLLM τ {m['vllm_mean_acceptance_length']:.3f}), "
+              f"acceptance rate {m['acceptance_rate']:.3f}, {run['tokens_per_s']:.1f} tok/s, "
+              f"speedup {run['speedup']:.2f}×", flush=True)
+
+    report = {
+        "title": f"Acceptance report — {target.name}",
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "target": target.identity(),
+        "prompts": {"source": e.prompts, "path": prompt_path, "split": e.split, "count": len(prompts),
+                    "turns": sum(len(p["turns"]) for p in prompts),
+                    "per_category": dict(sorted(Counter(p.get("category") or "uncategorised" for p in prompts).items()))},
+        "settings": {"max_new_tokens": e.max_new_tokens, "batch_size": e.batch_size, "temperature": e.temperature,
+                     "top_k": e.top_k, "top_p": e.top_p, "device": str(engine.device), "dtype": str(engine.dtype),
+                     "cuda_graphs": cuda_graphs, "seed": recipe.seed},
+        "baseline": baseline,
+        "runs": runs,
+        "notes": [],
+    }
+    if e.engine == "vllm":
+        from specheads.evaluate.vllm_compare import add_vllm_runs
+
+        report = add_vllm_runs(report, recipe, prompts, target, plain=plain)
+    paths = write_report(report, recipe.eval_dir)
+    print(f"report: {paths['md']} ({len(paths['plots'])} plots)")
+    _update_model_cards(specs, paths["json"])
+    return report
+
+
+def _update_model_cards(specs: list[RunSpec], report_json: str) -> None:
+    """Evaluated specheads exports get the measured acceptance in their model card."""
+    from specheads.export.card import write_card
+
+    for d in dict.fromkeys(r.drafter for r in specs if r.drafter != "ngram"):
+        if (Path(d) / "specheads.json").is_file():
+            try:
+                write_card(d, report_json=report_json)
+            except OSError as e:  # a read-only head directory keeps its card
+                print(f"model card of {d} not updated: {e}")
