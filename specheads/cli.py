@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from specheads.config import Recipe, RecipeError, load_recipe
 from specheads.errors import SpecheadsError, UsageError
 
 STAGES = {
+    "data synthesize": "user prompts written by the target itself (steered categories, copy-heavy tasks, de-duplicated)",
     "data prepare": "conversations → token rows (chat template + assistant-only loss mask)",
     "data regenerate": "answer the prompts with the target itself (self-distillation data)",
     "vocab": "draft vocabulary (d2t/t2d) from the masked tokens of the token rows",
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="data stages").add_subparsers(dest="data_command", required=True)
     _add_recipe_args(data.add_parser("prepare", help=STAGES["data prepare"]))
     _add_recipe_args(data.add_parser("regenerate", help=STAGES["data regenerate"]))
+    _add_recipe_args(data.add_parser("synthesize", help=STAGES["data synthesize"]))
 
     _add_recipe_args(sub.add_parser("vocab", help=STAGES["vocab"]))
 
@@ -195,6 +198,14 @@ def _plan(recipe: Recipe, stage: str) -> list[str]:
         return [target, f"read prompts from {srcs} (holdout {recipe.data.holdout_fraction:.0%} kept out)",
                 f"generate ≤{g.max_new_tokens} tokens each, temperature {g.temperature}, batch {g.batch_size}",
                 f"append conversations to {recipe.regenerated_path} (resumable)"]
+    if stage == "data synthesize":
+        s, c = recipe.data.synthesize, recipe.data.synthesize.copy_tasks
+        docs = f"documents from {c.documents}" if c.documents else f"documents the target writes (≤{c.document_tokens} tokens)"
+        return [target, f"write {s.num_prompts} user prompts (≤{s.max_new_tokens} tokens, {s.turns} turn(s) each, "
+                f"temperature {s.temperature}, batch {s.batch_size}) steered by {s.seeds}",
+                f"{c.fraction:.0%} copy-heavy ({', '.join(c.tasks)}) wrapping {docs}, ≤{c.max_prompt_tokens} tokens",
+                f"drop degenerate, exact and near-duplicate prompts (threshold {s.dedup_threshold})",
+                f"append prompts to {recipe.synthesized_path} (resumable); summary and category plot beside it"]
     if stage == "vocab":
         return [f"read token rows from {recipe.rows_dir}",
                 f"select {recipe.vocab.draft_vocab_size} draft tokens, write d2t/t2d to {recipe.vocab_dir}"]
@@ -271,7 +282,8 @@ def _dispatch(args) -> int:
             return 0
         from specheads.data import stage as data_stage
 
-        {"prepare": data_stage.run_prepare, "regenerate": data_stage.run_regenerate}[args.data_command](recipe)
+        {"prepare": data_stage.run_prepare, "regenerate": data_stage.run_regenerate,
+         "synthesize": data_stage.run_synthesize}[args.data_command](recipe)
         return 0
 
     if cmd == "vocab":
@@ -304,7 +316,8 @@ def _dispatch(args) -> int:
             from specheads.train.loop import run_train
 
             summary = run_train(recipe)
-            print(train_summary(summary))  # every number of the run is in metrics.jsonl
+            if int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
+                print(train_summary(summary))  # every number of the run is in metrics.jsonl
         return 0
 
     if cmd == "export":
