@@ -130,6 +130,12 @@ def plot_metrics(metrics_path, out_dir) -> list[Path]:
         except (TypeError, ValueError):
             return float("nan")
 
+    def save(fig, name: str) -> Path:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        return out / name
+
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot([r["step"] for r in train], [num(r["loss"]) for r in train], label="train", lw=1)
@@ -139,10 +145,7 @@ def plot_metrics(metrics_path, out_dir) -> list[Path]:
     ax.set_ylabel("loss")
     ax.set_title("loss")
     ax.legend()
-    fig.tight_layout()
-    p1 = out / "loss.png"
-    fig.savefig(p1, dpi=100)
-    plt.close(fig)
+    p1 = save(fig, "loss.png")
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     src = ev if ev else train
@@ -163,8 +166,4 @@ def plot_metrics(metrics_path, out_dir) -> list[Path]:
     a2.set_ylabel("simulated acceptance length τ")
     a2.set_title("1 + Σ_k Π_{j≤k} acc_j")
     a2.legend()
-    fig.tight_layout()
-    p2 = out / "acc.png"
-    fig.savefig(p2, dpi=100)
-    plt.close(fig)
-    return [p1, p2]
+    return [p1, save(fig, "acc.png")]
