@@ -12,7 +12,7 @@ import copy
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -61,11 +61,53 @@ class RegenerateConfig(_Section):
     k: int = 3
 
 
+CopyTask = Literal["summarize", "rewrite", "translate", "extract", "answer_from_context", "continue_code"]
+
+
+class SeedCategory(_Section):
+    # one kind of prompt the target writes; merged field by field into the seed file's entry of the same name
+    weight: float | None = Field(None, ge=0)  # share of the mix; 0 leaves the category out
+    systems: list[str] | None = None  # system prompts ("" = none); a non-empty one is kept in the row
+    openers: list[str] | None = None  # first words of the user message, continued by the target ({topic} filled)
+    topics: list[str] | None = None
+
+
+class CopyTasksConfig(_Section):
+    # requests that wrap a long document (where draft heads lose to n-gram today)
+    fraction: float = Field(0.25, ge=0.0, le=1.0)  # share of the synthesized prompts that are copy-heavy
+    tasks: list[CopyTask] = Field(default_factory=lambda: ["summarize", "rewrite", "translate", "extract",
+                                                           "answer_from_context", "continue_code"])
+    documents: str | None = None  # JSON/JSONL rows with 'text', a JSON list of strings, or a directory of
+    #                               text files; default: the target writes a document per request
+    document_tokens: int = Field(192, ge=8)  # length cap of a document the target writes
+    max_prompt_tokens: int = Field(1536, ge=64)  # a document is cut so that the whole request fits
+
+
+class SynthesizeConfig(_Section):
+    # `data synthesize`: user prompts written by the target itself (point data.sources at the output)
+    num_prompts: int = Field(64, ge=1)  # prompts to write (after filters); a larger value extends the file
+    batch_size: int = Field(16, ge=1)
+    max_new_tokens: int = Field(96, ge=1)  # length cap of a user message; one that does not end is dropped
+    temperature: float = Field(1.0, gt=0.0)  # sampled: at temperature 0 every seed would write the same prompt
+    top_p: float = Field(0.95, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    turns: int = Field(1, ge=1, le=8)  # user turns per conversation; later ones follow the target's answers
+    answer_tokens: int = Field(128, ge=1)  # answers between turns (context only: regenerate answers again)
+    seeds: str = "builtin:synthesize_seeds"  # YAML/JSON with categories, documents, copy_tasks
+    categories: dict[str, SeedCategory] = Field(default_factory=dict)  # overrides / additions to the seeds'
+    copy_tasks: CopyTasksConfig = Field(default_factory=CopyTasksConfig)
+    min_chars: int = Field(12, ge=1)  # a user turn shorter than this is dropped
+    max_chars: int = Field(12000, ge=1)  # ... and one longer than this
+    dedup_threshold: float = Field(0.6, gt=0.0, le=1.0)  # near-duplicate: Jaccard of word 3-grams ≥ this
+    out: str | None = None  # default: {run_dir}/data/synthesized.jsonl
+
+
 class DataConfig(_Section):
     sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:demo_prompts")])
     max_length: int = 1024
     holdout_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # prompts never trained on, for eval
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+    synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
     rows_dir: str | None = None  # default: {run_dir}/data/rows
 
 
@@ -256,6 +298,11 @@ class Recipe(_Section):
         r = self.data.regenerate.out
         return Path(r) if r else self.path("data", "regenerated.jsonl")
 
+    @property
+    def synthesized_path(self) -> Path:
+        r = self.data.synthesize.out
+        return Path(r) if r else self.path("data", "synthesized.jsonl")
+
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
@@ -283,6 +330,12 @@ class Recipe(_Section):
                 **keys, "data.sources": [x.model_dump() for x in d.sources]}
             return {**upstream, "data.regenerate.enabled": d.regenerate.enabled, "data.max_length": d.max_length,
                     "data.holdout_fraction": d.holdout_fraction}
+        if stage == "synthesize":
+            # not num_prompts (a larger one extends the same file), batch_size (no effect on the
+            # output) or out; the seed file's content is recorded by the stage itself
+            s = d.synthesize.model_dump(mode="json")
+            return {**keys, **{f"data.synthesize.{k}": v for k, v in s.items()
+                               if k not in ("num_prompts", "batch_size", "out")}, "seed": self.seed}
         if stage == "vocab":
             return {**self.stage_inputs("prepare"), "vocab.draft_vocab_size": self.vocab.draft_vocab_size}
         raise ValueError(f"no recorded inputs for stage {stage!r}")
@@ -324,14 +377,19 @@ def check_stage_inputs(recorded: dict | None, recipe: Recipe, stage: str, where:
 
 
 def _model_for(cls: type[BaseModel], dotted: list[str]) -> type[BaseModel] | None:
-    """Follow a dotted key path through nested section models."""
-    for part in dotted:
+    """Follow a dotted key path through nested section models (and the entries of a dict of them)."""
+    parts = iter(dotted)
+    for part in parts:
         f = cls.model_fields.get(part)
         if f is None:
             return None
         ann = f.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             cls = ann
+        elif get_origin(ann) is dict and isinstance(get_args(ann)[1], type) and issubclass(get_args(ann)[1], BaseModel):
+            cls = get_args(ann)[1]  # data.synthesize.categories.NAME.weight: NAME is a key, not a field
+            if next(parts, None) is None:
+                return None
         else:
             return None
     return cls

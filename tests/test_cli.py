@@ -9,6 +9,7 @@ from specheads.cli import main
 @pytest.mark.parametrize("argv", [
     ["data", "prepare", "recipes/smollm2_eagle3.yaml", "--dry-run"],
     ["data", "regenerate", "recipes/smollm2_eagle3.yaml", "--dry-run"],
+    ["data", "synthesize", "recipes/smollm2_eagle3.yaml", "data.synthesize.num_prompts=1000", "--dry-run"],
     ["vocab", "recipes/smollm2_eagle3.yaml", "--dry-run"],
     ["dump", "recipes/smollm2_eagle3.yaml", "dump.dtype=fp8", "--dry-run"],
     ["train", "recipes/llama8b_eagle3.yaml", "train.lr=2e-4", "--dry-run"],
@@ -22,6 +23,8 @@ def test_dry_run_prints_plan_without_loading(argv, capsys):
         assert "write fp8 shards" in out
     if "train.lr=2e-4" in argv:
         assert "lr 0.0002" in out
+    if "data.synthesize.num_prompts=1000" in argv:
+        assert "write 1000 user prompts" in out and "runs/smollm2_eagle3/data/synthesized.jsonl" in out
 
 
 def test_unknown_key_exit_code(capsys):

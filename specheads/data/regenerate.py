@@ -17,18 +17,18 @@ at the same path is refused.
 
 from __future__ import annotations
 
-import errno
-import json
-import os
 import time
-from pathlib import Path
 
-from specheads.config import stage_input_diff
 from specheads.errors import SpecheadsError
+
+from .appendlog import append_rows, check_recipe_inputs, check_settings, read_rows
 
 
 class RegenerateError(SpecheadsError, ValueError):
     """Regeneration cannot start or resume (another recipe's output, no prompts, ...)."""
+
+
+OUT_KEY = "data.regenerate.out"
 
 
 def _settings_doc(recipe, target) -> dict:
@@ -41,53 +41,6 @@ def _settings_doc(recipe, target) -> dict:
         "max_prompt_tokens": g.max_prompt_tokens, "seed": recipe.seed,
         "recipe_inputs": recipe.stage_inputs("regenerate"),
     }
-
-
-def _check_recipe_inputs(out: Path, recipe) -> None:
-    """The recipe half of :func:`_check_meta`, before any weights load (the target's hash needs them)."""
-    meta = out.with_name(out.name + ".meta.json")
-    recorded = json.loads(meta.read_text()).get("recipe_inputs") if meta.is_file() else None
-    diff = stage_input_diff(recorded, recipe, "regenerate")
-    if diff:
-        raise RegenerateError(f"{out} already holds data generated with other settings (differing: {', '.join(diff)}); "
-                              f"choose another data.regenerate.out or delete it")
-
-
-def _check_meta(out: Path, doc: dict) -> None:
-    meta = out.with_name(out.name + ".meta.json")
-    if meta.exists():
-        old = json.loads(meta.read_text())
-        if old != doc:
-            diff = [k for k in doc if old.get(k) != doc.get(k)]
-            raise RegenerateError(
-                f"{out} already holds data generated with other settings (differing: {', '.join(diff)}); "
-                f"choose another data.regenerate.out or delete it")
-    elif out.exists() and out.stat().st_size > 0:
-        raise RegenerateError(f"{out} exists but was not written by `specheads data regenerate` (no {meta.name}); "
-                              f"choose another data.regenerate.out")
-    else:
-        meta.parent.mkdir(parents=True, exist_ok=True)
-        meta.write_text(json.dumps(doc, indent=2))
-
-
-def _done_ids(out: Path) -> set[str]:
-    """Ids already written; a torn last line (killed mid-write) is cut off."""
-    if not out.exists():
-        return set()
-    done, good = set(), 0
-    with open(out, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                break
-            try:
-                done.add(str(json.loads(line)["id"]))
-            except (ValueError, KeyError):
-                break
-            good += len(line)
-    if good != out.stat().st_size:
-        with open(out, "r+b") as f:
-            f.truncate(good)
-    return done
 
 
 def load_prompt_items(recipe) -> tuple[list[dict], dict]:
@@ -121,11 +74,11 @@ def run_regenerate(recipe, target=None) -> dict:
     g = recipe.data.regenerate
     out = recipe.regenerated_path
     items, stats = load_prompt_items(recipe)
-    _check_recipe_inputs(out, recipe)
+    check_recipe_inputs(out, recipe, "regenerate", RegenerateError, OUT_KEY)
     if target is None:
         target = load_target_for(recipe)
-    _check_meta(out, _settings_doc(recipe, target))
-    done = _done_ids(out)
+    check_settings(out, _settings_doc(recipe, target), RegenerateError, OUT_KEY, "specheads data regenerate")
+    done = {str(r["id"]) for r in read_rows(out)}
     todo = [it for it in items if str(it["id"]) not in done]
     # length-sorted batches waste less compute on ragged prompts; order does not change outputs
     todo.sort(key=lambda it: sum(len(t) for t in it["turns"]))
@@ -163,15 +116,7 @@ def run_regenerate(recipe, target=None) -> dict:
             return
         line = {"id": res.id, "category": res.category, "messages": res.messages,
                 "finish_reasons": res.finish_reasons}
-        try:
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise RegenerateError(f"disk full while writing {out}; {written['conversations']} conversations of "
-                                      f"this run are safely written, rerun the same command to resume") from e
-            raise
+        append_rows(f, out, [line], RegenerateError, f"{written['conversations']} conversations of this run")
         written["conversations"] += 1
         written["tokens"] += sum(len(a) for a in res.answer_tokens)
 

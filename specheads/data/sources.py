@@ -15,6 +15,8 @@ from specheads.errors import MissingInputError
 BUILTIN = {
     # the project's own small, varied prompt set (chat, code, math, summarising, extraction)
     "builtin:demo_prompts": Path(__file__).resolve().parent.parent / "assets" / "demo_prompts.jsonl",
+    # categories, openers and copy-task templates of `data synthesize` (data.synthesize.seeds)
+    "builtin:synthesize_seeds": Path(__file__).resolve().parent.parent / "assets" / "synthesize_seeds.yaml",
 }
 
 

@@ -4,6 +4,7 @@
                          ``recipe.rows_dir`` (summary.json records the target).
 ``run_vocab(recipe)``    token rows -> ``recipe.vocab_dir`` (vocab.safetensors + vocab.json).
 ``run_regenerate(recipe)`` prompts -> the target's own answers (see data/regenerate.py).
+``run_synthesize(recipe)`` nothing -> prompts written by the target (see data/synthesize.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .vocab import VOCAB_JSON, VocabError, save_vocab, select_draft_vocab
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_prepare", "run_vocab", "run_regenerate"]
+__all__ = ["run_prepare", "run_vocab", "run_regenerate", "run_synthesize"]
 
 
 def _sources(recipe) -> list:
@@ -106,5 +107,11 @@ def run_vocab(recipe) -> dict:
 
 def run_regenerate(recipe, target=None) -> dict:
     from .regenerate import run_regenerate as _run
+
+    return _run(recipe, target=target)
+
+
+def run_synthesize(recipe, target=None) -> dict:
+    from .synthesize import run_synthesize as _run
 
     return _run(recipe, target=target)
