@@ -1,11 +1,21 @@
-"""Runtime speed: plain decode tokens/s (our engine vs HF generate) and speculative speedup.
+"""Runtime speed (issue 14): plain decode and speculative decoding with each drafter, side by side,
+at several batch sizes, on the real SmolLM2 weights (the bundled GGUF) by default.
 
-    python benchmarks/bench_runtime.py --device cuda --cuda-graphs --out runs/bench_runtime.json
-    python benchmarks/bench_runtime.py --device cpu --batches 1,8 --new-tokens 32 --head runs/x/export
+    python benchmarks/bench_runtime.py --device cuda --cuda-graphs --batches 1,8,48 --out runs/bench.json
+    python benchmarks/bench_runtime.py --device cuda --cuda-graphs --head runs/x/export/speculators --profile
+    python benchmarks/bench_runtime.py --device cpu --batches 1 --new-tokens 16
 
-Greedy, fixed number of new tokens (no early stop), same prompts for every row set.
-Speculative rows run at batch 1 with an exported head (--head DIR, any export format)
-and/or the n-gram drafter; speedup = tokens/s with drafting / tokens/s without, same engine.
+Drafters: ``plain`` (no drafting), ``ngram`` (the device proposer on CUDA, the host reference
+on a CPU), ``head`` (``--head DIR``: an exported head, any format) and ``hybrid`` (head +
+n-gram, ``--min-match``). Greedy, a fixed number of new tokens (no early stop), the same
+prompts for every drafter; each run is done once untimed (captures the CUDA graphs of every
+shape it meets) and then timed. Per batch and drafter: τ (tokens per target forward, DESIGN.md),
+tokens/s, speedup (tokens/s ÷ plain tokens/s at the same batch) and speedup ÷ τ (1.0 = drafting
+is free). Prints a Markdown table; ``--out`` writes JSON and ``--plot`` (default: the JSON path
+with .png) a plot of speedup against batch size per drafter.
+
+``--profile``: a torch.profiler table of one plain and one drafted decode step at batch 1
+(eager, so the kernels are visible), and the time per step with and without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -17,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from specheads.runtime.drafters import NGramDrafter, drafter_for_head
-from specheads.runtime.generate import generate
+from specheads.runtime.drafters import NGramDrafter, drafter_for_head, make_drafter
+from specheads.runtime.generate import Generation, generate
 from specheads.runtime.model import TargetModel
 from specheads.target import load_target
 
@@ -31,7 +41,16 @@ QUESTIONS = [
     "What is the difference between TCP and UDP? Answer briefly.",
     "Give three tips for writing clear technical documentation.",
     "Solve: a train travels 120 km in 1.5 hours. What is its average speed?",
+    "Write a SQL query that returns the ten most recent orders with their customer names.",
+    "Describe the water cycle for a ten-year-old.",
+    "List the planets of the solar system with one fact about each.",
+    "Rewrite this sentence in the passive voice: 'The committee approved the new budget.'",
+    "What are the pros and cons of remote work? Use a table.",
+    "Write a haiku about autumn, then explain its structure.",
+    "Convert 72 degrees Fahrenheit to Celsius and show the steps.",
+    "Write a bash one-liner that counts the lines of every .py file in a directory.",
 ]
+DRAFTERS = ("plain", "ngram", "head", "hybrid")
 
 
 def sync(dev):
@@ -48,12 +67,20 @@ def prompts_for(tok, n):
     return out
 
 
-def bench_engine(m, prompts, new, **kw):
-    generate(m, prompts, min(new, 8), stop_token_ids=(), **kw)                  # warm-up / capture
-    r = generate(m, prompts, new, stop_token_ids=(), **kw)
-    toks = sum(len(t) for t in r.tokens)
-    return {"tokens": toks, "seconds": r.elapsed_s, "tokens_per_s": toks / r.elapsed_s, **{
-        k: v for k, v in r.summary().items() if k in ("tau", "vllm_mean_acceptance_length", "acceptance_rate")}}
+def bench_engine(m, prompts, new, repeat=1, **kw):
+    """Untimed run (compiles kernels, captures graphs), then the best of ``repeat`` timed runs."""
+    generate(m, prompts, new, stop_token_ids=(), **kw)
+    best = None
+    for _ in range(repeat):
+        r = generate(m, prompts, new, stop_token_ids=(), **kw)
+        if best is None or r.elapsed_s < best.elapsed_s:
+            best = r
+    toks = sum(len(t) for t in best.tokens)
+    s = best.summary()
+    return {"tokens": toks, "seconds": best.elapsed_s, "tokens_per_s": toks / best.elapsed_s,
+            "tau": s["tau"], "vllm_mean_acceptance_length": s["vllm_mean_acceptance_length"],
+            "acceptance_rate": s["acceptance_rate"], "target_forwards": best.target_forwards,
+            "graph_stats": best.graph_stats, "outputs": best.tokens}
 
 
 class _Random:
@@ -96,19 +123,119 @@ def bench_hf(model, tok, prompts, new, dev):
     return {"tokens": toks, "seconds": dt, "tokens_per_s": toks / dt}
 
 
+def load_head(path, tgt, m):
+    """An exported head made whole for (and checked against) the target, as the eval stage loads it."""
+    if hasattr(tgt, "identity"):
+        from specheads.export.convert import load_head_for
+        head, _meta = load_head_for(path, tgt)
+    else:                                                          # random weights: no identity to check
+        from specheads.export import load_any
+        head, _meta, _fmt = load_any(path)
+        emb = getattr(head, "embed_tokens", None)
+        if emb is not None and not bool(emb.weight.any()):
+            emb.weight.data.copy_(tgt.embed_tokens.weight.to(emb.weight))
+    head = head.to(device=m.device, dtype=m.dtype).eval()
+    return drafter_for_head(head, name=Path(path).name, target_vocab_size=m.args.vocab_size)
+
+
+# ------------------------------------------------------------------------------ profile
+def _sort_key(dev):
+    return "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+
+
+def profile_steps(m, prompt, drafters, k, graphs, dev, steps=10):
+    """Per drafter: ms per decode step (eager and graphed) and a profiler table of one eager step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    out = {}
+    for name, d in drafters:
+        row = {}
+        for mode in ([False, True] if graphs else [False]):
+            new = min((steps + 6) * (k + 1), m.max_seq - len(prompt) - k - 2)   # never finishes while timed
+            gen = Generation(m, [prompt], new, drafter=d, k=k, stop_token_ids=(), use_cuda_graphs=mode)
+            gen.prefill()
+            gen.run(max_steps=3)                       # warm-up: kernels compiled, graphs captured
+            sync(dev)
+            t0, n0 = time.perf_counter(), gen.t
+            gen.run(max_steps=steps)
+            sync(dev)
+            ms = 1e3 * (time.perf_counter() - t0) / max(gen.t - n0, 1)
+            row["graphs_ms_per_step" if mode else "eager_ms_per_step"] = ms
+            if not mode:
+                with profile(activities=acts) as prof:
+                    gen.run(max_steps=1)
+                    sync(dev)
+                try:
+                    table = prof.key_averages().table(sort_by=_sort_key(dev), row_limit=25)
+                except (KeyError, AttributeError, ValueError):
+                    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+                row["table"] = table
+        out[name] = row
+    return out
+
+
+# ------------------------------------------------------------------------------ output
+def markdown(res) -> str:
+    lines = [f"### Decode speed, {res['target']}, {res['device']}, {res['dtype']}, graphs={res['cuda_graphs']}, "
+             f"{res['new_tokens']} new tokens, greedy, k={res['k']}", "",
+             "| batch | drafter | τ | tok/s | plain tok/s | speedup | speedup ÷ τ |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['batch']} | {r['drafter']} | {r['tau']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {r['speedup_over_tau']:.2f} |")
+    if res.get("hf"):
+        lines += ["", "| batch | HF generate tok/s | engine plain tok/s | engine ÷ HF |", "|---:|---:|---:|---:|"]
+        for b, hf in res["hf"].items():
+            eng = next(r["tokens_per_s"] for r in res["rows"] if r["batch"] == int(b) and r["drafter"] == "plain")
+            lines.append(f"| {b} | {hf['tokens_per_s']:,.1f} | {eng:,.1f} | {eng / hf['tokens_per_s']:.1f}× |")
+    return "\n".join(lines)
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(dict.fromkeys(r["drafter"] for r in res["rows"] if r["drafter"] != "plain"))
+    for name in names:
+        rows = [r for r in res["rows"] if r["drafter"] == name]
+        ax.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], marker="o", label=name)
+    ax.axhline(1.0, color="grey", lw=1, ls="--", label="plain")
+    ax.set_xscale("log", base=2)
+    batches = sorted({r["batch"] for r in res["rows"]})
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title(f"{res['target']}, {res['device']}, k={res['k']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     ap.add_argument("--target", default="smollm2-135m", help="target to load (default: the bundled SmolLM2 GGUF)")
     ap.add_argument("--cuda-graphs", action="store_true")
-    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--batches", default="1,8,48")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--head", default=None, help="exported head directory for the speculative row")
-    ap.add_argument("--no-ngram", action="store_true", help="skip the n-gram speculative row")
-    ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    ap.add_argument("--head", default=None, help="exported head directory (enables the head and hybrid rows)")
+    ap.add_argument("--min-match", type=int, default=3, help="hybrid: shortest n-gram match that wins over the head")
+    ap.add_argument("--drafters", default=",".join(DRAFTERS),
+                    help=f"comma list of {DRAFTERS} (head/hybrid need --head)")
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs per row (the fastest counts)")
+    ap.add_argument("--hf", action="store_true", help="also time Hugging Face generate (plain)")
+    ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at batch 1")
+    ap.add_argument("--profile-only", action="store_true", help="only the profile (no table)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--plot", default=None, help="PNG of speedup against batch size (default: --out with .png)")
     ap.add_argument("--random-weights", action="store_true",
                     help="SmolLM2-135M architecture with random weights and random prompts (no GGUF needed; "
                          "speed only; acceptance figures are meaningless)")
@@ -116,57 +243,76 @@ def main(argv=None):
     dev = torch.device(a.device)
     dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     batches = [int(b) for b in a.batches.split(",")]
+    wanted = [d.strip() for d in a.drafters.split(",") if d.strip()]
+    bad = [d for d in wanted if d not in DRAFTERS]
+    if bad:
+        ap.error(f"unknown drafters {bad}; choose from {DRAFTERS}")
     if a.random_weights:
         tgt = random_smollm2(dtype, a.device)
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, 49152, (40 + 7 * (i % 8),), generator=g).tolist() for i in range(max(batches))]
+        target_name = "SmolLM2-135M (random weights)"
     else:
         tgt = load_target(a.target, dtype=dtype, device=a.device)
         prompts = prompts_for(tgt.tokenizer, max(batches))
-    max_seq = max(len(p) for p in prompts) + a.new_tokens + 64
+        target_name = getattr(tgt, "name", a.target)
+    max_seq = max(len(p) for p in prompts) + a.new_tokens + a.k + 64
     m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
     graphs = a.cuda_graphs and dev.type == "cuda"
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "dtype": dtype,
-           "cuda_graphs": graphs, "new_tokens": a.new_tokens, "plain": [], "speculative": []}
-    for B in batches:
-        row = {"batch": B, "engine": bench_engine(m, prompts[:B], a.new_tokens, use_cuda_graphs=graphs)}
-        if not a.no_hf:
-            row["hf"] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
-        res["plain"].append(row)
-    base = res["plain"][0]["engine"] if batches[0] == 1 else bench_engine(m, prompts[:1], a.new_tokens,
-                                                                           use_cuda_graphs=graphs)
-    drafters = [] if a.no_ngram else [("ngram", NGramDrafter(1, 3))]
-    if a.head:
-        from specheads.export import load_any
-        head, _meta, fmt = load_any(a.head)
-        emb = getattr(head, "embed_tokens", None)
-        if emb is not None and not emb.weight.abs().sum():            # exports without the embedding
-            emb.weight.data.copy_(tgt.embed_tokens.weight.to(emb.weight))
-        head = head.to(device=dev, dtype=m.dtype).eval()
-        drafters.append((f"{head.cfg.kind}:{Path(a.head).name}", drafter_for_head(head)))
-    for name, d in drafters:
-        r = bench_engine(m, prompts[:1], a.new_tokens, drafter=d, k=a.k, use_cuda_graphs=graphs)
-        r.update(drafter=name, k=a.k, speedup=r["tokens_per_s"] / base["tokens_per_s"])
-        res["speculative"].append(r)
+    head = load_head(a.head, tgt, m) if a.head else None
+    drafters = []                                            # (name, factory): a fresh drafter per batch
+    for name in wanted:
+        if name == "ngram":
+            drafters.append(("ngram", lambda: NGramDrafter()))        # 1..4, the eval default
+        elif name in ("head", "hybrid") and head is not None:
+            if name == "head":
+                drafters.append((f"head ({head.cfg.kind})", lambda: head))
+            else:
+                drafters.append((f"hybrid (min_match {a.min_match})",
+                                 lambda: make_drafter("hybrid", head, min_match=a.min_match)))
+    res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+           "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,
+           "min_match": a.min_match, "torch": torch.__version__, "rows": [], "hf": {}}
 
-    print(f"\n### Plain greedy decode, SmolLM2-135M, {res['device']}, {dtype}, graphs={graphs}, "
-          f"{a.new_tokens} new tokens\n")
-    print("| batch | engine tok/s | HF generate tok/s | engine / HF |\n|---:|---:|---:|---:|")
-    for r in res["plain"]:
-        hf = r.get("hf", {}).get("tokens_per_s")
-        eng = r["engine"]["tokens_per_s"]
-        hf_s = f"{hf:.1f}" if hf else "-"
-        ratio = f"{eng / hf:.2f}x" if hf else "-"
-        print(f"| {r['batch']} | {eng:.1f} | {hf_s} | {ratio} |")
-    if res["speculative"]:
-        print(f"\n### Speculative decoding, batch 1, k={a.k} (baseline {base['tokens_per_s']:.1f} tok/s)\n")
-        print("| drafter | tok/s | speedup | tau | vLLM 1+acc/drafts | acceptance rate |\n|---|---:|---:|---:|---:|---:|")
-        for r in res["speculative"]:
-            print(f"| {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} | "
-                  f"{r['vllm_mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} |")
+    if not a.profile_only:
+        for B in batches:
+            base = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs)
+            rows = [("plain", base)]
+            for name, make in drafters:
+                r = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, drafter=make(), k=a.k, use_cuda_graphs=graphs)
+                r["lossless"] = r["outputs"] == base["outputs"]
+                rows.append((name, r))
+            for name, r in rows:
+                sp = r["tokens_per_s"] / base["tokens_per_s"]
+                res["rows"].append({"batch": B, "drafter": name, "plain_tokens_per_s": base["tokens_per_s"],
+                                    "speedup": sp, "speedup_over_tau": sp / r["tau"],
+                                    **{k: v for k, v in r.items() if k != "outputs"}})
+            if a.hf:
+                res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
+            print(f"batch {B} done", flush=True)
+        print()
+        print(markdown(res))
+        lossy = [(r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
+        print(f"\ngreedy outputs identical to plain decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
+
+    if a.profile or a.profile_only:
+        chosen = [("plain", None)]
+        for name, make in drafters[::-1]:                   # the last requested drafter (hybrid > head > ngram)
+            chosen.append((name, make()))
+            break
+        prof = profile_steps(m, prompts[0], chosen, a.k, graphs, dev)
+        res["profile"] = {n: {k: v for k, v in r.items() if k != "table"} for n, r in prof.items()}
+        for name, r in prof.items():
+            times = ", ".join(f"{k.replace('_ms_per_step', '')} {v:.2f} ms/step" for k, v in r.items() if k != "table")
+            print(f"\n### Profile: one {name} decode step, batch 1 ({times})\n")
+            print(r["table"])
+
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2))
+    plot_path = a.plot or (str(Path(a.out).with_suffix(".png")) if a.out else None)
+    if plot_path and res["rows"]:
+        plot(res, plot_path)
     return res
 
 

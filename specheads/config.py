@@ -203,7 +203,9 @@ class EvalConfig(_Section):
     thresholds: str | None = None  # "single,acc": also run tree_target_only with these relaxed thresholds
     max_new_tokens: int = 128
     batch_size: int = 1
-    compare: list[Literal["ngram"]] = Field(default_factory=lambda: ["ngram"])
+    # ngram: the weightless drafter; hybrid: each head with n-gram drafts where the match is long
+    compare: list[Literal["ngram", "hybrid"]] = Field(default_factory=lambda: ["ngram"])
+    hybrid_min_match: int = Field(3, ge=1)  # shortest n-gram match that wins over the head
     chi_square_draws: int = 0
     engine: Literal["specheads", "vllm"] = "specheads"  # vllm: the same prompts in real vLLM, side by side
     out: str | None = None  # default: {run_dir}/eval

@@ -104,3 +104,32 @@ def test_eval_refuses_head_for_another_target(tiny_target_dir, tmp_path):
         "--head", str(tmp_path / "h"), "--limit", "1", "--max-new-tokens", "4"])
     with pytest.raises(ExportError, match="target hidden size 48, target has 64"):
         run_eval(eval_recipe(args))
+
+
+def test_eval_hybrid_runs_beside_the_head(tiny_target_dir, tmp_path):
+    """--compare hybrid puts each head with n-gram drafts beside the head alone; greedy stays lossless."""
+    import torch
+
+    from specheads.export import speculators
+    from specheads.export.common import ExportMeta
+    from specheads.heads.config import HeadConfig
+    from specheads.heads.eagle3 import Eagle3Head
+
+    cfg = HeadConfig(kind="eagle3", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
+                     target_hidden_size=64, target_vocab_size=49152, draft_vocab_size=49152, aux_layer_ids=[1, 2, 3])
+    head = Eagle3Head(cfg)
+    torch.nn.init.normal_(head.embed_tokens.weight)
+    speculators.save(head, ExportMeta(verifier_name_or_path="x", aux_layer_ids=[1, 2, 3]), tmp_path / "h",
+                     dtype=torch.float32)
+    with pytest.raises(EvalError, match="compare=hybrid needs a head"):
+        plan_runs(_recipe(tmp_path, "--compare", "hybrid"))
+    args = build_parser().parse_args([
+        "eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--out", str(tmp_path / "ev"),
+        "--head", str(tmp_path / "h"), "--compare", "hybrid", "--compare", "ngram", "--limit", "2",
+        "--max-new-tokens", "12"])
+    rep = run_eval(eval_recipe(args))
+    names = [r["name"] for r in rep["runs"]]
+    assert names == ["head k=3 greedy", "ngram k=3 greedy", "hybrid head k=3 greedy"]
+    hybrid = rep["runs"][2]
+    assert hybrid["drafter"].startswith("hybrid: ") and hybrid["lossless"]["identical"] == hybrid["lossless"]["total"] == 2

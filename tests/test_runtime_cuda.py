@@ -1,16 +1,22 @@
-"""Runtime on a GPU: CUDA-graph steps give the same tokens as eager steps (skipped without CUDA)."""
+"""Runtime on a GPU: CUDA-graph steps give the same tokens as eager steps, whole speculative steps
+are captured (no host sync inside), the device n-gram proposer equals the host reference, and
+shapes that were not captured (a larger k, another tree, a wider attention) capture anew.
+Skipped without CUDA."""
 
 import pytest
 import torch
 
-from specheads.runtime.drafters import Eagle3Drafter, NGramDrafter
-from specheads.runtime.generate import generate
+from specheads.runtime.drafters import (Eagle3Drafter, HybridDrafter, NGramDrafter, drafter_for_head, make_drafter,
+                                        ngram_match)
+from specheads.runtime.generate import Generation, generate
 from specheads.runtime.model import TargetModel
 from specheads.runtime.tree import TreeConfig
 
 from test_runtime import PROMPTS, V, _head, tiny  # tests/ is on sys.path (rootdir conftest)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+REPETITIVE = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +34,144 @@ def test_cuda_logits_match_hf(cuda_llama):
     torch.testing.assert_close(m(ids).logits, ref, atol=2e-4, rtol=2e-4)
 
 
-@pytest.mark.parametrize("mode", ["plain", "ngram", "eagle3", "eagle3_tree", "sampled"])
-def test_cuda_graphs_match_eager(cuda_llama, mode):
-    _, m = cuda_llama
+def _kw(mode):
     kw = {"stop_token_ids": ()}
-    if mode == "ngram":
-        kw.update(drafter=NGramDrafter(1, 3), k=3)
+    sampled = dict(temperature=0.8, top_k=20, seed=3)
+    if mode == "ngram_host":
+        kw.update(drafter=NGramDrafter(1, 3, backend="host"), k=3)
+    elif mode == "ngram":
+        kw.update(drafter=NGramDrafter(1, 3), k=3)                       # auto = the device proposer on CUDA
     elif mode.startswith("eagle3"):
         kw.update(drafter=Eagle3Drafter(_head("eagle3", 48).cuda()))
-        kw.update(tree=TreeConfig(3, 2, 5)) if mode.endswith("tree") else kw.update(k=3)
+        kw.update(tree=TreeConfig(3, 2, 5)) if "tree" in mode else kw.update(k=3)
+        if mode == "eagle3_rejection":
+            kw.update(rule="rejection", **sampled)
+        if mode == "eagle3_tree_sampled":
+            kw.update(rule="tree_target_only", **sampled)
+    elif mode in ("eagle1", "mtp"):
+        kw.update(drafter=drafter_for_head(_head(mode).cuda()), k=2)
+    elif mode == "hybrid":
+        kw.update(drafter=make_drafter("hybrid", _head("eagle3", 48).cuda(), min_match=2), k=3)
     elif mode == "sampled":
-        kw.update(drafter=NGramDrafter(1, 3), k=3, rule="onehot", temperature=0.8, seed=3)
-    eager = generate(m, PROMPTS, 20, **kw)
-    graphed = generate(m, PROMPTS, 20, use_cuda_graphs=True, **kw)
-    again = generate(m, PROMPTS, 20, use_cuda_graphs=True, **kw)        # replays captured graphs
+        kw.update(drafter=NGramDrafter(1, 3), k=3, rule="onehot", **sampled)
+    elif mode == "plain_sampled":
+        kw.update(rule="onehot", **sampled)
+    return kw
+
+
+MODES = ["plain", "plain_sampled", "ngram", "ngram_host", "eagle3", "eagle3_tree", "eagle3_rejection",
+         "eagle3_tree_sampled", "eagle1", "mtp", "hybrid", "sampled"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_graphs_match_eager(cuda_llama, mode):
+    _, m = cuda_llama
+    kw = _kw(mode)
+    prompts = PROMPTS + [REPETITIVE]
+    eager = generate(m, prompts, 20, **kw)
+    graphed = generate(m, prompts, 20, use_cuda_graphs=True, **kw)
+    again = generate(m, prompts, 20, use_cuda_graphs=True, **kw)        # replays the captured graphs
     assert graphed.tokens == eager.tokens
     assert again.tokens == eager.tokens
-    if mode != "sampled":
-        assert eager.tokens == generate(m, PROMPTS, 20, stop_token_ids=()).tokens
+    assert [r.as_dict() for r in graphed.records] == [r.as_dict() for r in eager.records]
+    st, st2 = graphed.graph_stats, again.graph_stats
+    assert st["failed"] == 0 and st2["failed"] == 0, (st, st2)
+    if mode != "ngram_host":                                   # whole steps in graphs
+        assert st2["captured"] == 0 and st2["replayed"] >= again.target_forwards - 1, st2
+        assert st2["eager"] == 0, st2
+    if "sampled" not in mode and "rejection" not in mode:
+        assert eager.tokens == generate(m, prompts, 20, stop_token_ids=()).tokens
+
+
+@pytest.mark.parametrize("mode", ["plain", "ngram", "eagle3", "eagle3_tree", "eagle3_rejection", "hybrid", "mtp"])
+def test_eager_steps_never_sync(cuda_llama, mode):
+    """torch's sync debug mode raises on any host sync inside a step (what capture needs)."""
+    _, m = cuda_llama
+    gen = Generation(m, PROMPTS, 12, **_kw(mode))
+    gen.prefill()
+    step = gen.step
+
+    def checked():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    gen.step = checked
+    gen.run()
+    r = gen.result()
+    assert r.tokens == generate(m, PROMPTS, 12, **_kw(mode)).tokens
+
+
+def test_device_ngram_equals_host_on_cuda():
+    g = torch.Generator().manual_seed(0)
+    hist = [torch.randint(0, v, (int(torch.randint(2, 90, (1,), generator=g)),), generator=g).tolist()
+            for v in (3, 5, 9, 40) for _ in range(12)]
+    toks = torch.randint(0, 100, (len(hist), 96))
+    for b, h in enumerate(hist):
+        toks[b, :len(h)] = torch.tensor(h)
+    lens = torch.tensor([len(h) for h in hist])
+    for occ in ("latest", "earliest"):
+        ref = NGramDrafter(1, 4, occ, backend="host")
+        d, n, ml = ngram_match(toks.cuda(), lens.cuda(), 5, 1, 4, occ)
+        for b, h in enumerate(hist):
+            want, w = ref.match(h, 5)
+            assert d[b, :len(want)].tolist() == want and n[b].item() == len(want) and ml[b].item() == w
+
+
+def test_uncaptured_shapes_capture_anew(cuda_llama):
+    """A larger k, another tree and a wider attention (longer sequences) than captured before
+    give exactly the eager result: each new shape runs eagerly once and is captured."""
+    hf, _ = cuda_llama
+    m = TargetModel.from_hf(hf, max_batch=4, max_seq=600)
+    d = Eagle3Drafter(_head("eagle3", 48).cuda())
+    for kw in (dict(k=2), dict(k=5), dict(tree=TreeConfig(2, 2, 3)), dict(tree=TreeConfig(4, 3, 10))):
+        g = generate(m, PROMPTS, 300, drafter=d, stop_token_ids=(), use_cuda_graphs=True, **kw)
+        e = generate(m, PROMPTS, 300, drafter=d, stop_token_ids=(), **kw)
+        assert g.tokens == e.tokens
+        assert g.graph_stats["failed"] == 0
+        assert g.graph_stats["captured"] >= 2, g.graph_stats        # 300 tokens cross attention widths 128 -> 512
+    assert generate(m, PROMPTS, 300, stop_token_ids=()).tokens == g.tokens
+
+
+@pytest.mark.parametrize("mode", ["eagle3", "hybrid", "plain"])
+def test_graphs_survive_alternating_batch_sizes(cuda_llama, mode):
+    """eval's batches: full, smaller last one, full again - the graphs captured for each size keep
+    pointing at live buffers and replay correctly."""
+    _, m = cuda_llama
+    kw = _kw(mode)
+    ref = {n: generate(m, PROMPTS[:n], 16, **kw).tokens for n in (3, 2)}
+    for n in (3, 2, 3, 2):
+        r = generate(m, PROMPTS[:n], 16, use_cuda_graphs=True, **kw)
+        assert r.tokens == ref[n] and r.graph_stats["failed"] == 0
+
+
+def test_hybrid_on_cuda_takes_both_sides(cuda_llama):
+    _, m = cuda_llama
+    hyb = HybridDrafter(Eagle3Drafter(_head("eagle3", 48).cuda()), NGramDrafter(1, 4), min_match=3)
+    r = generate(m, [PROMPTS[2], [3, 14, 15, 9, 26, 53, 58, 62, 35, 8, 43, 12]], 24, drafter=hyb, k=3,
+                 stop_token_ids=(), use_cuda_graphs=True)
+    assert r.tokens == generate(m, [PROMPTS[2], [3, 14, 15, 9, 26, 53, 58, 62, 35, 8, 43, 12]], 24,
+                                stop_token_ids=()).tokens
+    c = hyb.choice_counts()
+    assert c["ngram"] > 0 and c["head"] > 0, c
+    assert r.graph_stats["failed"] == 0
+
+
+@pytest.mark.slow
+def test_smollm2_graphs_on_cuda(smollm2):
+    """The real target on the GPU: plain, device n-gram and hybrid-with-n-gram give the same greedy
+    tokens under graphs and eagerly."""
+    t = smollm2
+    m = TargetModel.from_hf(t.model, max_batch=2, max_seq=256, dtype=torch.float32, device="cuda")
+    msgs = ["Repeat the list: apple, banana, cherry, apple, banana, cherry.", "Write a Python function that adds."]
+    prompts = []
+    for x in msgs:
+        ids = t.tokenizer.apply_chat_template([{"role": "user", "content": x}], add_generation_prompt=True,
+                                              tokenize=True)
+        prompts.append(list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids))
+    plain = generate(m, prompts, 48)
+    for d in (None, NGramDrafter(1, 3)):
+        g = generate(m, prompts, 48, drafter=d, k=3, use_cuda_graphs=True)
+        assert g.tokens == plain.tokens and g.graph_stats["failed"] == 0

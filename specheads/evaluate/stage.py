@@ -25,7 +25,7 @@ from specheads.evaluate.lossless import chi_square_check, greedy_lossless
 from specheads.evaluate.report import write_report
 from specheads.export.convert import load_head_for
 from specheads.runtime.chat import chat_generate
-from specheads.runtime.drafters import NGramDrafter, drafter_for_head
+from specheads.runtime.drafters import make_drafter
 from specheads.runtime.metrics import summarize
 from specheads.runtime.model import TargetModel
 from specheads.runtime.tree import TreeConfig
@@ -45,6 +45,7 @@ class RunSpec:
     rule: str = "greedy"
     thresholds: tuple[float, float] = (1.0, 1.0)
     expect: str = "pass"          # "fail" for deliberately lossy settings (relaxed thresholds)
+    hybrid: bool = False          # the head with n-gram drafts where the n-gram match is long enough
 
     def tree_config(self) -> TreeConfig | None:
         return parse_tree(self.tree) if self.tree else None
@@ -87,11 +88,18 @@ def plan_runs(recipe) -> list[RunSpec]:
                 runs.append(RunSpec(f"{label} tree {tree} {rule}", h, k=ks[0], tree=tree, rule=rule))
                 continue
             runs += [RunSpec(f"{label} k={k} {rule}", h, k=k, rule=rule) for k in ks]
-    for _ in e.compare:  # only 'ngram' (the schema allows nothing else)
+    chain_rules = [r for r in rules if r != "tree_target_only"]  # n-gram and hybrid drafts are chains
+    if "ngram" in e.compare:
         # n-gram drafts are one-hot: rejection with draft probabilities reduces to the one-hot rule
-        for rule in dict.fromkeys("onehot" if r == "rejection" else r for r in rules):
-            if rule != "tree_target_only":
-                runs += [RunSpec(f"ngram k={k} {rule}", "ngram", k=k, rule=rule) for k in ks]
+        for rule in dict.fromkeys("onehot" if r == "rejection" else r for r in chain_rules):
+            runs += [RunSpec(f"ngram k={k} {rule}", "ngram", k=k, rule=rule) for k in ks]
+    if "hybrid" in e.compare:
+        if not heads:
+            raise EvalError("eval.compare=hybrid needs a head (eval.head / --head): it mixes a head with n-gram")
+        for h in heads:
+            label = Path(h).name if len(heads) > 1 else "head"
+            for rule in chain_rules:
+                runs += [RunSpec(f"hybrid {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True) for k in ks]
     if e.thresholds:
         a, b = (float(x) for x in e.thresholds.split(","))
         for r in list(runs):
@@ -118,12 +126,14 @@ def load_eval_prompts(recipe) -> tuple[list[dict], str]:
     return items, str(path)
 
 
-def build_drafter(spec: RunSpec, target, dtype, device):
-    """The runtime drafter of a run: n-gram, or a head directory made whole for (and checked against) the target."""
+def build_drafter(spec: RunSpec, target, dtype, device, min_match: int = 3):
+    """The runtime drafter of a run: n-gram, or a head directory made whole for (and checked against)
+    the target, alone or in a hybrid with n-gram."""
     if spec.drafter == "ngram":
-        return NGramDrafter()
+        return make_drafter("ngram")
     head, _meta = load_head_for(spec.drafter, target)
-    return drafter_for_head(head.to(device=device, dtype=dtype).eval())
+    return make_drafter("hybrid" if spec.hybrid else "head", head.to(device=device, dtype=dtype).eval(),
+                        name=spec.drafter, target_vocab_size=target.vocab_size, min_match=min_match)
 
 
 # --- the evaluation ------------------------------------------------------------------------
@@ -191,15 +201,17 @@ def run_eval(recipe, target=None) -> dict:
 
     runs, drafters = [], {}
     for spec in specs:
-        if spec.drafter not in drafters:
-            drafters[spec.drafter] = build_drafter(spec, target, engine.dtype, engine.device)
-        drafter = drafters[spec.drafter]
+        key = (spec.drafter, spec.hybrid)
+        if key not in drafters:
+            drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match)
+        drafter = drafters[key]
         with _Progress(n_tokens, spec.name) as cb:
             res, secs = chat_generate(engine, tok, prompts, drafter=drafter, k=spec.k, tree=spec.tree_config(),
                                       rule=spec.rule, thresholds=spec.thresholds, progress=cb, **common)
         records = [rec for r in res for rec in r.records]
         m = summarize(records, secs, sum(len(a) for r in res for a in r.answer_tokens))
-        run = {"name": spec.name, "engine": "specheads", "drafter": "n-gram" if spec.drafter == "ngram" else spec.drafter,
+        name = "n-gram" if spec.drafter == "ngram" else (f"hybrid: {spec.drafter} + n-gram" if spec.hybrid else spec.drafter)
+        run = {"name": spec.name, "engine": "specheads", "drafter": name,
                "k": spec.k, "tree": spec.tree, "rule": spec.rule, "thresholds": list(spec.thresholds),
                "temperature": e.temperature, "metrics": m, "per_category": _per_category(res),
                "tokens_per_s": m.get("tokens_per_s"),

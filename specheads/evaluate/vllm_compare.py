@@ -333,6 +333,9 @@ def add_vllm_runs(report: dict, recipe, prompts: list[dict], target, plain=None,
         if r.get("tree"):
             notes.append(f"{r['name']}: not run in vLLM (vLLM 0.32 verifies chains only, no dynamic trees).")
             continue
+        if str(r.get("drafter", "")).startswith("hybrid"):
+            notes.append(f"{r['name']}: not run in vLLM (vLLM 0.32 has no head + n-gram hybrid drafter).")
+            continue
         drafter = "ngram" if r.get("drafter") in ("n-gram", "ngram") else r.get("drafter")
         key = (drafter, r.get("k"), r.get("rule"))
         if key in done:

@@ -3,16 +3,24 @@
 Protocol (duck-typed; subclass ``Drafter`` for the defaults):
 
 - ``aux_layer_ids`` / ``needs_final``: which target states the drafter consumes.
-- ``start(ctx)``: a new ``generate`` call begins (allocate caches).
+- ``start(ctx)``: a new ``generate`` call begins (allocate or reuse caches).
 - ``update(v: Verified)``: the target has verified new tokens. For each row, positions
   ``start .. start+count-1`` are now final in the target cache; ``next_tokens`` holds the
-  token at position+1 of each (the accepted drafts and then the bonus token), ``aux`` /
-  ``final`` the target states at those positions. (vLLM's eagle proposer semantics: the
-  draft's first pass covers each newly verified token with the state of the previous
-  position.) After the prompt, ``start=0`` and ``count=len(prompt)``.
+  token at position+1 of each (the accepted drafts and then the bonus token; columns past
+  ``count`` are padding), ``aux`` / ``final`` the target states at those positions. (vLLM's
+  eagle proposer semantics: the draft's first pass covers each newly verified token with
+  the state of the previous position.) After the prompt, ``start=0`` and ``count=len(prompt)``.
 - ``propose(ctx, k) -> Proposal``: up to k draft tokens per row (+ draft probs q when the
   drafter samples, i.e. ``ctx.sample_drafts``).
 - ``propose_tree(ctx, cfg) -> DraftTree`` for drafters with ``supports_tree``.
+- ``check_target(vocab_size)``: refuse a target the drafter does not fit (``DraftVocabError``),
+  called by ``generate`` before anything runs.
+- ``graph_safe``: True when ``update``/``propose`` only run device ops with shapes fixed by
+  (batch, k, tree), read the device view of the context (never ``ctx.histories`` /
+  ``ctx.active``) and carry state between steps only in buffers updated in place. The
+  engine then captures whole speculative steps in CUDA graphs and never syncs per step
+  for the drafter. Drafters that read the host view (the CPU n-gram reference, the
+  standalone draft model, custom drafters) run eagerly with one host sync per step.
 
 Hidden-state drafters (EAGLE-3, EAGLE-1, MTP) call the head through the contract in
 docs/ARCHITECTURE.md: ``head.project(aux)`` (EAGLE-3), ``head.forward_step(input_ids,
@@ -21,50 +29,84 @@ hidden, position_ids, attention_mask=None, kv_cache=None) -> (draft_logits, hidd
 heads' attention calls ``kv_cache.attend(layer_idx, q, k, v, mask, attn_module)`` and the
 cache writes the new K/V at the slots and with the visibility the runtime set beforehand.
 That is the only coupling to ``specheads.heads``.
+
+Builders: ``drafter_for_head(head)`` (the class for a head's kind), ``make_drafter(kind,
+head=None, ...)`` for ``"ngram"``, ``"head"`` and ``"hybrid"`` (``HybridDrafter``: per row and
+step the n-gram proposal when its match is at least ``min_match`` tokens long, else the head's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .model import TargetModel, build_attn_mask
+from specheads.errors import SpecheadsError
+
+from .model import TargetModel, build_attn_mask, round_up
 from .tree import DraftTree, Expansion, TreeConfig, build_dynamic_tree
 from .verify import sample_inverse_cdf, target_probs
 
 
+class DraftVocabError(SpecheadsError, ValueError):
+    """A draft head's vocabulary mapping (d2t, t2d, vocabulary sizes) does not fit the target."""
+
+
 # ---------------------------------------------------------------------------- state
-@dataclass
 class DraftContext:
-    """What the engine tells a drafter each step."""
-    histories: list[list[int]]           # prompt + emitted tokens; the last one is not in the cache yet
-    active: list[bool]
-    device: torch.device
-    max_seq: int
-    vocab_size: int
-    sample_drafts: bool = False           # draw drafts from q and return q (rule 'rejection')
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    generators: list[torch.Generator] = field(default_factory=list)
+    """What the engine tells a drafter.
+
+    Device view (current at every step, CUDA-graph safe): ``tokens [B, S]`` each row's
+    prompt + emitted tokens (slots >= ``lengths[b]`` hold junk), ``lengths [B]``,
+    ``active_mask [B]`` bool, ``draft_u [B, n]`` this step's uniforms for sampled drafts
+    (column s for draft step s), ``kv_len``: a host-side bound on the cache slots any row
+    reaches this step (the attention width; part of a captured graph's shape).
+
+    Host view: ``histories`` (per row: prompt + emitted tokens; the last one is not in the
+    cache yet) and ``active`` (list of bool). Inside ``generate`` they are pulled from the
+    device when read (a host sync), so only drafters that are not ``graph_safe`` use them.
+    """
+
+    def __init__(self, histories=None, active=None, device=None, max_seq: int = 0, vocab_size: int = 0,
+                 sample_drafts: bool = False, temperature=0.0, top_k=0, top_p=1.0, generators=None, *,
+                 batch: int | None = None, tokens=None, lengths=None, active_mask=None, kv_len: int | None = None,
+                 draft_u=None, pull=None):
+        self._histories, self._active, self._pull = histories, active, pull
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.batch = batch if batch is not None else len(histories)
+        self.max_seq, self.vocab_size = max_seq, vocab_size
+        self.sample_drafts = sample_drafts
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p   # numbers or 0-d device tensors
+        self.generators = generators or []
+        self.tokens, self.lengths, self._active_mask = tokens, lengths, active_mask
+        self.kv_len, self.draft_u = kv_len, draft_u
 
     @property
-    def batch(self) -> int:
-        return len(self.histories)
+    def histories(self) -> list[list[int]]:
+        if self._pull is not None:
+            self._pull()
+        return self._histories
 
-    def uniforms(self, n: int) -> torch.Tensor:
-        """[B, n] uniforms, row b from request b's generator."""
-        return torch.stack([torch.rand(n, generator=g) for g in self.generators]).to(self.device)
+    @property
+    def active(self) -> list[bool]:
+        if self._pull is not None:
+            self._pull()
+        return self._active
+
+    @property
+    def active_mask(self) -> torch.Tensor:
+        if self._active_mask is None:           # a context built by hand (tests, standalone use)
+            return torch.tensor(self.active, dtype=torch.bool, device=self.device)
+        return self._active_mask
 
 
 @dataclass
 class Verified:
     start: torch.Tensor          # [B] position of the first newly verified token
     count: torch.Tensor          # [B] number of newly verified positions (0 for finished rows)
-    next_tokens: torch.Tensor    # [B, n] token at position+1 of each verified position
+    next_tokens: torch.Tensor    # [B, n] token at position+1 of each verified position (n >= count)
     aux: torch.Tensor | None = None
     final: torch.Tensor | None = None
 
@@ -74,6 +116,7 @@ class Proposal:
     tokens: torch.Tensor                  # [B, K] target ids (padding: 0)
     num: torch.Tensor                     # [B] valid drafts per row
     probs: torch.Tensor | None = None     # [B, K, V] draft distribution the tokens were drawn from
+    match_len: torch.Tensor | None = None  # [B] n-gram drafters: length of the matched suffix (0 = none)
 
 
 class Drafter:
@@ -81,6 +124,10 @@ class Drafter:
     needs_final: bool = False
     supports_tree: bool = False
     provides_probs: bool = False
+    graph_safe: bool = False
+
+    def check_target(self, vocab_size: int) -> None:
+        pass
 
     def start(self, ctx: DraftContext) -> None:
         pass
@@ -95,32 +142,94 @@ class Drafter:
         raise NotImplementedError(f"{type(self).__name__} does not draft trees")
 
 
-def _pick(ctx: DraftContext, logits_t: torch.Tensor):
+def _pick(ctx: DraftContext, logits_t: torch.Tensor, step: int = 0):
     """Choose one draft token per row from target-vocab logits [B, V]: argmax, or a sample from
-    q = target_probs(logits) when ctx.sample_drafts. Returns (ids [B], q [B, V] or None)."""
+    q = target_probs(logits) with the step's uniforms ``ctx.draft_u[:, step]`` when
+    ctx.sample_drafts. Returns (ids [B], q [B, V] or None)."""
     if not ctx.sample_drafts:
         return logits_t.argmax(-1), None
+    if ctx.draft_u is None:
+        raise RuntimeError("sampled drafts need ctx.draft_u (the engine's per-step draft uniforms)")
     q = target_probs(logits_t, ctx.temperature, ctx.top_k, ctx.top_p)
-    return sample_inverse_cdf(q, ctx.uniforms(1)[:, 0]), q
+    return sample_inverse_cdf(q, ctx.draft_u[:, step]), q
 
 
 # ---------------------------------------------------------------------------- n-gram
+def ngram_match(tokens: torch.Tensor, lengths: torch.Tensor, k: int, min_ngram: int = 1, max_ngram: int = 4,
+                occurrence: str = "latest"):
+    """Batched prompt lookup on the device (vLLM's ``ngram_gpu`` idea), without a host sync.
+
+    tokens [B, S] (row b's history in slots < lengths[b], junk after), lengths [B] >= 1.
+    Same rule as ``NGramDrafter.lookup``: the longest suffix n-gram, n in [min_ngram,
+    max_ngram], that also occurs ending before the last token; its latest (or earliest)
+    occurrence; the up to k tokens that followed it. Returns (drafts [B, k] (0-padded),
+    num [B], match_len [B] (n of the match, 0 = none)).
+
+    How: for every slot j, ``run[j]`` = how many tokens ending at j equal the history's
+    last tokens (capped at max_ngram); an n-gram match ends at j iff run[j] >= n.
+    """
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    B, S = tokens.shape
+    dev = tokens.device
+    j = torch.arange(S, device=dev)
+    win = F.pad(tokens, (max_ngram - 1, 0), value=-1).unfold(1, max_ngram, 1)   # [B, S, n]: win[b, j, n-1-t] = tok[j-t]
+    last = (lengths - 1).clamp(min=0)
+    suffix = win.gather(1, last.view(B, 1, 1).expand(B, 1, max_ngram))         # the history's last max_ngram tokens
+    eq = (win == suffix).flip(-1).to(torch.int32)                                # [b, j, t]: tok[j-t] == tok[L-1-t]
+    run = torch.minimum(eq.cumprod(-1).sum(-1), j + 1)                           # (-1 == -1 left of slot 0: capped)
+    run = torch.where(j[None, :] <= (lengths - 2)[:, None], run, 0)             # must end before the last token
+    best = run.amax(1)
+    has = best >= min_ngram
+    hit = (run >= best[:, None]) & has[:, None]
+    if occurrence == "latest":
+        end = torch.where(hit, j, -1).amax(1)
+    elif occurrence == "earliest":
+        end = torch.where(hit, j, S).amin(1)
+    else:
+        raise ValueError(f"occurrence must be 'latest' or 'earliest', got {occurrence!r}")
+    start = end + 1
+    num = torch.where(has, (lengths - start).clamp(min=0, max=k), 0)
+    ar = torch.arange(k, device=dev)
+    idx = (start[:, None] + ar).clamp(0, S - 1)
+    drafts = torch.where(ar[None, :] < num[:, None], tokens.gather(1, idx), 0)
+    return drafts, num, torch.where(has, best, 0)
+
+
 class NGramDrafter(Drafter):
     """Prompt lookup: match the last n tokens (n = max_ngram .. min_ngram, longest first) in the
     request's own history (prompt + generated); take the right-most earlier occurrence and
     propose up to k tokens that followed it. Proposes nothing when no n-gram matches.
 
     ``occurrence="earliest"`` takes the left-most match instead, which is vLLM's rule (its
-    n-gram proposer), so the two engines can be compared draft for draft."""
+    n-gram proposer), so the two engines can be compared draft for draft.
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 4, occurrence: str = "latest"):
+    ``backend``: ``"host"`` = the NumPy reference over ``ctx.histories`` (one host sync per
+    step); ``"device"`` = ``ngram_match`` over the engine's device token buffer (no sync,
+    CUDA-graph safe); ``"auto"`` (default) = device on CUDA, host elsewhere. Both give the
+    same drafts."""
+
+    BACKENDS = ("auto", "device", "host")
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 4, occurrence: str = "latest", backend: str = "auto"):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if occurrence not in ("latest", "earliest"):
             raise ValueError(f"occurrence must be 'latest' or 'earliest', got {occurrence!r}")
-        self.min_ngram, self.max_ngram, self.occurrence = min_ngram, max_ngram, occurrence
+        if backend not in self.BACKENDS:
+            raise ValueError(f"backend must be one of {self.BACKENDS}, got {backend!r}")
+        self.min_ngram, self.max_ngram, self.occurrence, self.backend = min_ngram, max_ngram, occurrence, backend
+        self.on_device = backend == "device"
 
-    def lookup(self, history: list[int], k: int) -> list[int]:
+    @property
+    def graph_safe(self) -> bool:
+        return self.on_device
+
+    def start(self, ctx: DraftContext) -> None:
+        self.on_device = self.backend == "device" or (self.backend == "auto" and ctx.device.type == "cuda")
+
+    def match(self, history: list[int], k: int) -> tuple[list[int], int]:
+        """The reference: (proposed tokens, n of the matched n-gram or 0)."""
         arr = np.asarray(history, dtype=np.int64)
         L = len(arr)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
@@ -129,34 +238,45 @@ class NGramDrafter(Drafter):
             hits = np.nonzero((win == suffix).all(axis=1))[0]
             if len(hits):
                 i = int(hits[-1] if self.occurrence == "latest" else hits[0])
-                return arr[i + n:i + n + k].tolist()
-        return []
+                return arr[i + n:i + n + k].tolist(), n
+        return [], 0
+
+    def lookup(self, history: list[int], k: int) -> list[int]:
+        return self.match(history, k)[0]
 
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
+        if self.on_device:
+            if ctx.tokens is None:
+                raise RuntimeError("the device n-gram proposer needs ctx.tokens / ctx.lengths (the engine's buffer)")
+            drafts, num, n = ngram_match(ctx.tokens, ctx.lengths, k, self.min_ngram, self.max_ngram, self.occurrence)
+            return Proposal(drafts, torch.where(ctx.active_mask, num, 0), None, n)
         B = ctx.batch
-        props = [self.lookup(h, k) if a else [] for h, a in zip(ctx.histories, ctx.active)]
-        K = max([len(p) for p in props] + [0])
+        found = [self.match(h, k) if a else ([], 0) for h, a in zip(ctx.histories, ctx.active)]
+        K = max([len(p) for p, _ in found] + [0])
         toks = torch.zeros(B, K, dtype=torch.long)
-        for b, p in enumerate(props):
+        for b, (p, _) in enumerate(found):
             toks[b, :len(p)] = torch.tensor(p, dtype=torch.long)
-        num = torch.tensor([len(p) for p in props], dtype=torch.long)
-        return Proposal(toks.to(ctx.device), num.to(ctx.device), None)
+        num = torch.tensor([len(p) for p, _ in found], dtype=torch.long)
+        n = torch.tensor([m for _, m in found], dtype=torch.long)
+        return Proposal(toks.to(ctx.device), num.to(ctx.device), None, n.to(ctx.device))
 
 
 # ---------------------------------------------------------------------------- draft KV cache
 class DraftCache:
     """Static per-layer KV for a head, driven by the runtime: before each head call the runtime
     sets ``write_pos [B, T]`` and ``mask [B, 1, T, kv_len]``; the head's attention calls
-    ``attend``. ``lengths[b]`` = valid slots of row b (rollback = lower it)."""
+    ``attend``. ``lengths[b]`` = valid slots of row b (rollback = lower it). Allocates
+    ``max_seq`` rounded up to a multiple of 16 slots."""
 
     def __init__(self, num_layers, batch, kv_heads, max_seq, head_dim, dtype, device):
-        shape = (batch, kv_heads, max_seq, head_dim)
+        self.slots = round_up(max_seq)
+        shape = (batch, kv_heads, self.slots, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_seq = max_seq
         self.write_pos = self.mask = None
-        self.kv_len = max_seq
+        self.kv_len = self.slots
 
     def prepare(self, write_pos: torch.Tensor, mask: torch.Tensor, kv_len: int) -> None:
         self.write_pos, self.mask, self.kv_len = write_pos.clamp(max=self.max_seq - 1), mask, kv_len
@@ -182,24 +302,85 @@ def _head_config(head):
     raise TypeError("head has no HeadConfig at .config or .cfg")
 
 
+class _HeadState:
+    """A head drafter's device state for one (batch, max_seq, dtype, device): its KV cache and
+    the root of the next draft (the first pass's output at the last verified position)."""
+
+    def __init__(self, cache: DraftCache):
+        self.cache = cache
+        self.root_logits: torch.Tensor | None = None    # [B, Vd]
+        self.root_h: torch.Tensor | None = None         # [B, H]
+        self.root_pos: torch.Tensor | None = None       # [B] position of the root
+
+
 class HeadDrafter(Drafter):
-    """Shared logic of EAGLE-3, EAGLE-1 and MTP drafting (chain and tree)."""
+    """Shared logic of EAGLE-3, EAGLE-1 and MTP drafting (chain and tree).
+
+    ``update`` runs the head's first pass over the newly verified tokens at once and keeps
+    its output at each row's last verified position (the root) in static buffers;
+    ``propose`` drafts from the root. Every tensor that lives from one step to the next is
+    a buffer updated in place, so a whole speculative step can be replayed from a CUDA
+    graph (``graph_safe``). Buffers are kept per (batch, max_seq) and reused by later calls."""
 
     kind = "eagle3"
     supports_tree = True
     provides_probs = True
+    graph_safe = True
 
-    def __init__(self, head):
+    def __init__(self, head, name: str | None = None, target_vocab_size: int | None = None):
         self.head = head.eval()
         self.cfg = _head_config(head)
         if self.cfg.kind != self.kind:
             raise ValueError(f"{type(self).__name__} needs a '{self.kind}' head, got '{self.cfg.kind}'")
+        self.name = name or getattr(head, "name", None) or f"{self.cfg.kind} head"
+        bad = self.vocab_problems()
+        if bad:
+            raise DraftVocabError(f"{self.name}: vocabulary mapping does not fit: " + "; ".join(bad))
+        if target_vocab_size is not None:
+            self.check_target(target_vocab_size)
         if self.kind == "eagle3":
             self.aux_layer_ids = tuple(self.cfg.aux_layer_ids)
         else:
             self.needs_final = True
+        self._states: dict = {}
+        self.state: _HeadState | None = None
         self.cache: DraftCache | None = None
-        self.pending: Verified | None = None
+        self.ctx: DraftContext | None = None
+
+    # -- vocabulary checks (before generation)
+    def vocab_problems(self, target_vocab: int | None = None) -> list[str]:
+        """What does not fit in the head's vocabulary mapping, alone (``target_vocab`` None)
+        or against a target with ``target_vocab`` tokens."""
+        c, h = self.cfg, self.head
+        Vd, Vt = int(c.draft_vocab_size), int(c.target_vocab_size)
+        V = Vt if target_vocab is None else int(target_vocab)
+        errs = []
+        if target_vocab is not None and Vt != V:
+            errs.append(f"it was built for a target vocabulary of {Vt} tokens, the target has {V}")
+        lm = getattr(h, "lm_head", None)
+        if lm is not None and lm.weight.shape[0] != Vd:
+            errs.append(f"lm_head has {lm.weight.shape[0]} rows, draft_vocab_size is {Vd}")
+        emb = getattr(h, "embed_tokens", None)
+        if emb is not None and emb.weight.shape[0] < V:
+            errs.append(f"embed_tokens has {emb.weight.shape[0]} rows, the target vocabulary has {V} tokens")
+        d2t, t2d = getattr(h, "d2t", None), getattr(h, "t2d", None)
+        if d2t is not None and Vd != Vt:
+            if tuple(d2t.shape) != (Vd,):
+                errs.append(f"d2t has shape {tuple(d2t.shape)}, expected ({Vd},)")
+            else:
+                ids = torch.arange(Vd, device=d2t.device) + d2t.long()
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= min(V, Vt):
+                    errs.append(f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocabulary "
+                                f"0..{min(V, Vt) - 1}")
+        if t2d is not None and t2d.numel() != V:
+            errs.append(f"t2d has {t2d.numel()} entries, the target vocabulary has {V}")
+        return errs
+
+    def check_target(self, vocab_size: int) -> None:
+        bad = self.vocab_problems(vocab_size)
+        if bad:
+            raise DraftVocabError(f"{self.name} does not fit this target: " + "; ".join(bad))
 
     # -- the coupling to heads/: everything below goes through these three methods
     def _input_hidden(self, v: Verified) -> torch.Tensor:
@@ -208,14 +389,13 @@ class HeadDrafter(Drafter):
         return v.final
 
     def _step(self, ids, hidden, positions, write_pos, mask, kv_len, step: int = 0):
-        """One head call. ``step`` = 0 for the first pass, s for the s-th draft token after it
-        (MTP uses depth s mod num_mtp_depths, as vLLM's MTP proposer does)."""
+        """One head call (raw draft logits, hidden). ``step`` = 0 for the first pass, s for the
+        s-th draft token after it (MTP uses depth s mod num_mtp_depths, as vLLM's MTP proposer does)."""
         self.cache.prepare(write_pos, mask, kv_len)
         p = next(self.head.parameters())
         kw = {"depth": step % max(1, self.cfg.num_mtp_depths)} if self.kind == "mtp" else {}
-        logits, h = self.head.forward_step(ids, hidden.to(p.dtype), positions, attention_mask=None,
-                                           kv_cache=self.cache, **kw)
-        return logits.float(), h
+        return self.head.forward_step(ids, hidden.to(p.dtype), positions, attention_mask=None,
+                                      kv_cache=self.cache, **kw)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.draft_vocab_size == self.cfg.target_vocab_size:
@@ -230,61 +410,89 @@ class HeadDrafter(Drafter):
         out = torch.full(dl.shape[:-1] + (V,), float("-inf"), device=dl.device)
         return out.index_copy(-1, ids, dl)
 
+    def _pick(self, ctx: DraftContext, dl: torch.Tensor, s: int):
+        """Greedy: the draft-vocab argmax mapped to a target id (d2t is increasing, so this is the
+        argmax of the target-vocab logits, ties included) without widening to the target vocab."""
+        if not ctx.sample_drafts:
+            return self._to_target(dl.argmax(-1)), None
+        return _pick(ctx, self._target_logits(dl.float(), ctx.vocab_size), s)
+
+    def _kv_len(self) -> int:
+        kv = None if self.ctx is None else self.ctx.kv_len
+        return self.cache.slots if kv is None else min(round_up(kv), self.cache.slots)
+
     # --
     def start(self, ctx: DraftContext) -> None:
         p = next(self.head.parameters())
         c = self.cfg
-        self.cache = DraftCache(max(c.num_layers, c.num_mtp_depths), ctx.batch, c.num_key_value_heads, ctx.max_seq, c.head_dim,
-                                p.dtype, ctx.device)
-        self.pending = None
-
-    def update(self, v: Verified) -> None:
-        self.pending = v
+        key = (ctx.batch, ctx.max_seq, p.dtype, str(ctx.device))
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = _HeadState(DraftCache(max(c.num_layers, c.num_mtp_depths), ctx.batch,
+                                                           c.num_key_value_heads, ctx.max_seq, c.head_dim,
+                                                           p.dtype, ctx.device))
+        st.cache.lengths.zero_()
+        self.state, self.cache, self.ctx = st, st.cache, ctx
 
     @torch.no_grad()
-    def _first_pass(self, ctx):
-        v = self.pending
-        if v is None:
-            raise RuntimeError("propose() before update(): the drafter has no target states")
-        c = self.cache
-        B, T = v.next_tokens.shape
+    def update(self, v: Verified) -> None:
+        """The first pass over the newly verified tokens; its output at each row's last verified
+        position becomes the root of the next draft."""
+        if self.state is None:
+            raise RuntimeError("update() before start()")
+        st, c = self.state, self.cache
+        B, W = v.next_tokens.shape
+        dev = v.next_tokens.device
+        kv_len = self._kv_len()
         c.lengths[:B] = v.start
-        pos = v.start[:, None] + torch.arange(T, device=ctx.device)
-        kv_len = min(int((v.start + T).max()), c.max_seq)
+        pos = v.start[:, None] + torch.arange(W, device=dev)
         mask = build_attn_mask(c.lengths[:B], pos.clamp(max=kv_len - 1), None, kv_len)
         logits, h = self._step(v.next_tokens, self._input_hidden(v), pos, pos, mask, kv_len)
         last = (v.count - 1).clamp(min=0)
-        rows = torch.arange(B, device=ctx.device)
+        rows = torch.arange(B, device=dev)
+        lg, hh = logits[rows, last], h[rows, last]
+        if st.root_logits is None or st.root_logits.shape != lg.shape or st.root_logits.dtype != lg.dtype:
+            st.root_logits, st.root_h = torch.empty_like(lg), torch.empty_like(hh)
+            st.root_pos = torch.empty_like(v.start)
+        st.root_logits.copy_(lg)
+        st.root_h.copy_(hh)
+        st.root_pos.copy_(v.start + last)
         c.lengths[:B] = v.start + v.count
-        # the root: the last verified position; its output drafts the first token
-        return logits[rows, last], h[rows, last], v.start + last
+
+    def root(self):
+        """(draft logits [B, Vd], hidden [B, H], position [B]) at each row's last verified token."""
+        st = self.state
+        if st is None or st.root_logits is None:
+            raise RuntimeError("propose() before update(): the drafter has no target states")
+        return st.root_logits, st.root_h, st.root_pos
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
-        logits, h, pos = self._first_pass(ctx)
-        c, B, V = self.cache, ctx.batch, ctx.vocab_size
+        logits, h, pos = self.root()
+        c, B = self.cache, ctx.batch
+        kv_len = self._kv_len()
         base = c.lengths[:B].clone()
         toks, qs = [], []
         for s in range(k):
             if s > 0:
                 wp = (base + s - 1)[:, None]
-                kv_len = min(int(wp.max()) + 1, c.max_seq)
                 c.lengths[:B] = base + s - 1
                 mask = build_attn_mask(c.lengths[:B], wp.clamp(max=kv_len - 1), None, kv_len)
                 logits, h = self._step(toks[-1][:, None], h[:, None], (pos + s)[:, None], wp, mask, kv_len, s)
                 logits, h = logits[:, 0], h[:, 0]
-            t, q = _pick(ctx, self._target_logits(logits, V))
+            t, q = self._pick(ctx, logits, s)
             toks.append(t)
             qs.append(q)
         c.lengths[:B] = base
-        num = torch.tensor([k if a else 0 for a in ctx.active], dtype=torch.long, device=ctx.device)
+        num = torch.where(ctx.active_mask, k, 0)
         probs = torch.stack(qs, 1) if ctx.sample_drafts else None
         return Proposal(torch.stack(toks, 1), num, probs)
 
     @torch.no_grad()
     def propose_tree(self, ctx: DraftContext, cfg: TreeConfig) -> DraftTree:
-        logits, h_root, pos = self._first_pass(ctx)
+        logits, h_root, pos = self.root()
         c, B, k = self.cache, ctx.batch, cfg.topk
+        kv_len = self._kv_len()
         base = c.lengths[:B].clone()
         state = {"h": h_root[:, None].expand(B, k, h_root.shape[-1]), "vis": None}
         rows = torch.arange(B, device=ctx.device)[:, None]
@@ -299,7 +507,6 @@ class HeadDrafter(Drafter):
                 vis_prev = state["vis"][rows, e.parent_slot]                  # [B, k, (level-1)*k]
             vis = torch.cat([vis_prev, torch.eye(k, dtype=torch.bool, device=ctx.device).expand(B, k, k)], -1)
             n_tree = level * k
-            kv_len = min(int(base.max()) + n_tree, c.max_seq)
             slots = torch.arange(kv_len, device=ctx.device)
             mask = (slots[None, None, :] < base[:, None, None]).expand(B, k, kv_len).clone()
             tree_slots = base[:, None] + torch.arange(n_tree, device=ctx.device)       # [B, n_tree]
@@ -308,9 +515,9 @@ class HeadDrafter(Drafter):
             positions = (pos + level)[:, None].expand(B, k)
             lg, h = self._step(e.tokens, hid, positions, wp, mask[:, None], kv_len, level)
             state["h"], state["vis"] = h, vis
-            return lg.log_softmax(-1)
+            return lg.float().log_softmax(-1)
 
-        root_lp = logits.log_softmax(-1)
+        root_lp = logits.float().log_softmax(-1)
         tree = build_dynamic_tree(root_lp, expand, cfg, map_ids=self._to_target)
         c.lengths[:B] = base
         return tree
@@ -328,11 +535,88 @@ class MTPDrafter(HeadDrafter):
     kind = "mtp"
 
 
+# ---------------------------------------------------------------------------- hybrid
+class HybridDrafter(Drafter):
+    """A head and an n-gram drafter together: per row and step, the n-gram proposal when its
+    match is at least ``min_match`` tokens long (and it proposes something), otherwise the
+    head's. Verification is unchanged, so the output is lossless whatever is chosen.
+
+    The head runs every step (its first pass keeps its cache current); with rule
+    'rejection' the n-gram rows carry one-hot draft probabilities (q = δ_x, which is
+    one-hot verification). ``choice_counts()``: how many drafting row-steps took each side
+    in the last ``generate`` call. Chains only."""
+
+    supports_tree = False
+
+    def __init__(self, head_drafter: Drafter, ngram_drafter: Drafter | None = None, min_match: int = 3):
+        if min_match < 1:
+            raise ValueError(f"min_match must be >= 1, got {min_match}")
+        self.head = head_drafter
+        self.ngram = ngram_drafter if ngram_drafter is not None else NGramDrafter()
+        self.min_match = int(min_match)
+        self.aux_layer_ids = tuple(getattr(head_drafter, "aux_layer_ids", ()) or ())
+        self.needs_final = bool(getattr(head_drafter, "needs_final", False))
+        self.provides_probs = bool(getattr(head_drafter, "provides_probs", False))
+        self.counts: torch.Tensor | None = None       # [2]: (n-gram, head) row-steps with drafts chosen
+        self.use_ngram: torch.Tensor | None = None    # [B] the last step's choice
+        self._bufs: dict = {}                         # per (batch, device), never freed: graphs point at them
+
+    @property
+    def graph_safe(self) -> bool:
+        return bool(getattr(self.head, "graph_safe", False) and getattr(self.ngram, "graph_safe", False))
+
+    def check_target(self, vocab_size: int) -> None:
+        self.head.check_target(vocab_size)
+        self.ngram.check_target(vocab_size)
+
+    def start(self, ctx: DraftContext) -> None:
+        self.head.start(ctx)
+        self.ngram.start(ctx)
+        key = (ctx.batch, str(ctx.device))
+        if key not in self._bufs:
+            self._bufs[key] = (torch.zeros(2, dtype=torch.long, device=ctx.device),
+                               torch.zeros(ctx.batch, dtype=torch.bool, device=ctx.device))
+        self.counts, self.use_ngram = self._bufs[key]
+        self.counts.zero_()
+        self.use_ngram.zero_()
+
+    def update(self, v: Verified) -> None:
+        self.head.update(v)
+        self.ngram.update(v)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, k: int) -> Proposal:
+        ph = self.head.propose(ctx, k)
+        pn = self.ngram.propose(ctx, k)
+        dev = ph.tokens.device
+        nt = pn.tokens.to(dev)
+        nt = F.pad(nt, (0, k - nt.shape[1])) if nt.shape[1] < k else nt[:, :k]
+        nn_ = pn.num.to(dev).clamp(max=k)
+        ml = pn.match_len.to(dev) if pn.match_len is not None else torch.zeros_like(nn_)
+        use = (ml >= self.min_match) & (nn_ > 0)
+        hk = ph.tokens[:, :k]
+        tokens = torch.where(use[:, None], nt, hk)
+        num = torch.where(use, nn_, ph.num)
+        probs = None
+        if ctx.sample_drafts:
+            q = torch.zeros(nt.shape + (ph.probs.shape[-1],), dtype=ph.probs.dtype, device=dev)
+            q.scatter_(2, nt[..., None], 1.0)                              # one-hot: q = δ_x
+            probs = torch.where(use[:, None, None], q, ph.probs[:, :k])
+        act = ctx.active_mask
+        self.use_ngram.copy_(use & act)
+        self.counts += torch.stack([(use & act).sum(), (~use & act).sum()])
+        return Proposal(tokens, num, probs)
+
+    def choice_counts(self) -> dict:
+        n, h = (0, 0) if self.counts is None else self.counts.tolist()
+        return {"ngram": n, "head": h}
+
+
 # ---------------------------------------------------------------------------- draft model
 class DraftModelDrafter(Drafter):
     """A standalone small LM (same vocabulary) with its own static cache. Each step it
     catches up on the tokens its cache lacks (the common prefix with the history is kept)
-    and then drafts k tokens autoregressively."""
+    and then drafts k tokens autoregressively. Reads the host view of the context."""
 
     provides_probs = True
 
@@ -340,11 +624,15 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.cached: list[list[int]] = []
 
+    def check_target(self, vocab_size: int) -> None:
+        if self.model.args.vocab_size > vocab_size:
+            raise DraftVocabError(f"draft model vocabulary ({self.model.args.vocab_size}) is larger than the "
+                                  f"target's ({vocab_size})")
+
     def start(self, ctx: DraftContext) -> None:
         if self.model.max_batch < ctx.batch or self.model.max_seq < ctx.max_seq:
             self.model.setup_caches(max(ctx.batch, self.model.max_batch), max(ctx.max_seq, self.model.max_seq))
-        if self.model.args.vocab_size > ctx.vocab_size:
-            raise ValueError("draft model vocabulary is larger than the target's")
+        self.check_target(ctx.vocab_size)
         self.model.reset()
         self.cached = [[] for _ in range(ctx.batch)]
 
@@ -373,14 +661,15 @@ class DraftModelDrafter(Drafter):
         m.commit(cnt)
         toks, qs = [], []
         logits = out.logits[:, 0]
+        longest = max(len(h) for h in ctx.histories)
         for s in range(k):
             if s > 0:
-                kv_len = min(int(m.cache.lengths[:B].max()) + 1, m.max_seq)
+                kv_len = min(longest + s, m.max_seq)
                 logits = m(toks[-1][:, None], kv_len=kv_len).logits[:, 0]
                 m.commit(1)
             V = ctx.vocab_size
             lt = logits.float() if logits.shape[-1] == V else F.pad(logits.float(), (0, V - logits.shape[-1]), value=float("-inf"))
-            t, q = _pick(ctx, lt)
+            t, q = _pick(ctx, lt, s)
             toks.append(t)
             qs.append(q)
             if s < k - 1:
@@ -390,7 +679,35 @@ class DraftModelDrafter(Drafter):
         return Proposal(torch.stack(toks, 1), num, torch.stack(qs, 1) if ctx.sample_drafts else None)
 
 
-def drafter_for_head(head) -> HeadDrafter:
-    """The drafter class for a head's kind (eagle3 / eagle1 / mtp)."""
+# ---------------------------------------------------------------------------- builders
+def drafter_for_head(head, name: str | None = None, target_vocab_size: int | None = None) -> HeadDrafter:
+    """The drafter class for a head's kind (eagle3 / eagle1 / mtp). Refuses (``DraftVocabError``)
+    a head whose vocabulary mapping is inconsistent, or does not fit ``target_vocab_size``."""
     kind = _head_config(head).kind
-    return {"eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter, "mtp": MTPDrafter}[kind](head)
+    cls = {"eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter, "mtp": MTPDrafter}[kind]
+    return cls(head, name=name, target_vocab_size=target_vocab_size)
+
+
+DRAFTER_KINDS = ("ngram", "head", "hybrid")
+
+
+def make_drafter(kind: str, head=None, *, name: str | None = None, target_vocab_size: int | None = None,
+                 min_match: int = 3, min_ngram: int = 1, max_ngram: int = 4, occurrence: str = "latest",
+                 ngram_backend: str = "auto") -> Drafter:
+    """A runtime drafter by name (the builder the eval stage calls):
+
+    - ``"ngram"``: ``NGramDrafter(min_ngram, max_ngram, occurrence, ngram_backend)`` (device
+      proposer on CUDA, the host reference elsewhere, with ``ngram_backend="auto"``);
+    - ``"head"``: ``drafter_for_head(head)`` (``head``: a head module or a HeadDrafter);
+    - ``"hybrid"``: ``HybridDrafter(head drafter, n-gram drafter, min_match)``.
+    """
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter {kind!r}; use one of {DRAFTER_KINDS}")
+    if kind == "ngram":
+        return NGramDrafter(min_ngram, max_ngram, occurrence, ngram_backend)
+    if head is None:
+        raise ValueError(f"drafter {kind!r} needs a head")
+    hd = head if isinstance(head, Drafter) else drafter_for_head(head, name=name, target_vocab_size=target_vocab_size)
+    if kind == "head":
+        return hd
+    return HybridDrafter(hd, NGramDrafter(min_ngram, max_ngram, occurrence, ngram_backend), min_match=min_match)

@@ -5,7 +5,7 @@ finishes on its own (stop token or max_new_tokens); finished rows stay in the ba
 frozen cache lengths until every request is done.
 
 Structure (gpt-fast style): ``generate`` is the loop; the steps are methods of a per-call
-``_Generation`` state:
+``Generation``:
 
 - ``prefill``: the prompts through the target, the first token, the drafter's first update;
 - ``draft``: the drafter proposes a chain or a tree (``_Draft``);
@@ -14,22 +14,47 @@ Structure (gpt-fast style): ``generate`` is the loop; the steps are methods of a
 - ``commit``: emit the accepted tokens (stop handling), record the step, put an accepted
   tree path's K/V in place, tell the drafter, and set the cache lengths (this both commits
   the accepted tokens and rolls back the rejected drafts).
+
+Everything a step reads and writes lives on the device (issue 14): the token history
+``[B, max_seq]``, per-row lengths, the active / stopped flags, the per-step records and the
+step's uniforms sit in a ``_Workspace`` kept on the engine per shape and updated in place;
+stop detection and max_new_tokens are batched tensor ops. So ``step()`` (draft + verify +
+commit) never reads a device value on the host and, with ``use_cuda_graphs`` and a
+``graph_safe`` drafter (none, the device n-gram proposer, the heads, the hybrid), is
+captured as ONE CUDA graph per (batch, k or tree, rule, attention width) and replayed.
+The host reads two numbers per step (any row active, longest cache), copied to pinned
+memory and read one step late on CUDA, so the host queues step t+1 while the device runs
+step t (one wasted step at the end, which touches no active row). The attention width
+``kv_len`` is a host bound on the longest row (from those numbers), rounded up to a power
+of two for graphs (>= KV_BUCKET_MIN) or to 16 eagerly. A shape that was not captured
+(new k, tree, width) is captured on first use after running eagerly once; a step that
+cannot be captured runs eagerly (``GenerateResult.graph_stats['failed']``) - never a wrong
+result. Drafters that read the host view (``ctx.histories``) run eagerly with one sync per
+step, with the target forward in the engine's per-forward graphs.
+
+Randomness: request b's generator draws, for every step s (s = 0 is the prefill's token),
+``2 * (1 + K)`` uniforms (accept, sample) and k more for sampled drafts, in chunks of
+``UNIFORM_CHUNK`` steps copied to the device at once; a request's draws do not depend on
+the other requests in the batch.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from .drafters import DraftContext, Drafter, Verified
 from .metrics import StepRecord, summarize
-from .model import ForwardOutput, TargetModel
+from .model import ForwardOutput, TargetModel, round_up
 from .tree import DraftTree, TreeConfig
 from .verify import CHAIN_RULES, RULES, TREE_RULES, sample_inverse_cdf, target_probs, verify_chain, verify_tree
 
 MAX_K = 32
+KV_BUCKET_MIN = 128           # smallest attention width of a captured step
+UNIFORM_CHUNK = 32            # decode steps of uniforms drawn on the host per copy
 
 
 @dataclass
@@ -40,6 +65,7 @@ class GenerateResult:
     elapsed_s: float = 0.0
     prefill_s: float = 0.0
     target_forwards: int = 0                  # batched decode forwards (prefill excluded)
+    graph_stats: dict = field(default_factory=dict)   # captured / replayed / eager / failed steps
 
     def summary(self) -> dict:
         s = summarize(self.records, self.elapsed_s, sum(len(t) for t in self.tokens))
@@ -88,6 +114,8 @@ def _check(model, prompts, max_new_tokens, drafter, k, tree, rule, temperature, 
             spec = k
     elif rule not in ("greedy", "onehot", "rejection"):
         raise ValueError(f"rule {rule!r} needs a drafter with a tree")
+    if drafter is not None and getattr(drafter, "check_target", None) is not None:
+        drafter.check_target(model.args.vocab_size)          # a head that does not fit: refused here, named
     longest = max(len(p) for p in prompts)
     need = longest + max_new_tokens + spec + 1
     if longest >= model.max_seq or need > model.max_seq:
@@ -106,20 +134,16 @@ def generate(model: TargetModel, prompts_token_ids: list[list[int]], max_new_tok
     seed: one int (request i gets seed + i) or one seed per request. stop_token_ids: None =
     the target's EOS ids, () = never stop early. Rule 'rejection' needs draft probs (EAGLE
     heads and draft models give them; n-gram drafts are one-hot: use 'onehot')."""
-    _check(model, prompts_token_ids, max_new_tokens, drafter, k, tree, rule, temperature, top_k, top_p, thresholds)
-    gen = _Generation(model, prompts_token_ids, max_new_tokens, drafter, k, tree, rule, temperature, top_k, top_p,
-                      thresholds, seed, stop_token_ids, use_cuda_graphs)
+    gen = Generation(model, prompts_token_ids, max_new_tokens, drafter, k, tree, rule, temperature, top_k, top_p,
+                     thresholds, seed, stop_token_ids, use_cuda_graphs)
     t0 = time.perf_counter()
     gen.prefill()
     _sync(model.device)
     prefill_s = time.perf_counter() - t0
-    while any(gen.active):
-        draft = gen.draft()
-        verdict = gen.verify(draft)
-        gen.commit(draft, verdict)
+    gen.run()
     _sync(model.device)
-    return GenerateResult(tokens=gen.out_tokens, finish_reasons=gen.reasons, records=gen.records,
-                          elapsed_s=time.perf_counter() - t0, prefill_s=prefill_s, target_forwards=gen.forwards)
+    elapsed = time.perf_counter() - t0
+    return gen.result(elapsed, prefill_s)
 
 
 def _sync(dev: torch.device) -> None:
@@ -133,6 +157,13 @@ def _left_aligned(rows: list[list[int]], width: int) -> torch.Tensor:
     for b, r in enumerate(rows):
         ids[b, :len(r)] = torch.tensor(r)
     return ids
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    p = least
+    while p < n:
+        p *= 2
+    return p
 
 
 # ---------------------------------------------------------------------------- one step
@@ -156,84 +187,141 @@ class _Verdict:
     """The verify rule's answer: row b emits ``tokens[b, :num_accepted[b] + 1]`` (the accepted
     drafts, then the correction or bonus token)."""
     num_accepted: torch.Tensor            # [B] (0 for finished rows)
-    tokens: torch.Tensor                  # [B, >= 1]
-    slots: torch.Tensor                   # [B, n] slot of accepted position i, as an offset from the
+    tokens: torch.Tensor                  # [B, W] (W = K+1 for chains, depth+1 for trees)
+    slots: torch.Tensor                   # [B, W] slot of accepted position i, as an offset from the
                                           #        row's cache length (chain: i; tree: root + path)
     out: ForwardOutput                    # the verify forward (aux / final for the drafter)
 
 
-# ---------------------------------------------------------------------------- per-call state
-class _Generation:
-    """The state of one ``generate`` call and its steps (prefill, draft, verify, commit)."""
+# ---------------------------------------------------------------------------- device state
+class _Workspace:
+    """``generate``'s device state for one shape, kept on the engine (``model.workspaces``) and
+    reset in place by every call, so that step graphs captured by one call replay in the next.
+    ``rec[r]`` holds decode step r: (active at its start, drafts proposed, accepted, emitted,
+    depth offered) per row."""
 
-    def __init__(self, model: TargetModel, prompts, max_new_tokens, drafter, k, tree, rule, temperature, top_k,
-                 top_p, thresholds, seed, stop_token_ids, use_cuda_graphs):
-        self.model, self.prompts, self.max_new_tokens = model, prompts, max_new_tokens
-        self.drafter, self.k, self.tree, self.rule, self.thresholds = drafter, k, tree, rule, thresholds
+    def __init__(self, B: int, S: int, Wu: int, R: int, NS: int, dev: torch.device):
+        L = torch.long
+        self.hist = torch.zeros(B, S, dtype=L, device=dev)          # prompt + emitted tokens
+        self.hist_len = torch.zeros(B, dtype=L, device=dev)
+        self.prompt_len = torch.zeros(B, dtype=L, device=dev)
+        self.active = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.max_new = torch.zeros((), dtype=L, device=dev)
+        self.stops = torch.full((NS,), -1, dtype=L, device=dev)
+        self.step = torch.zeros(1, dtype=L, device=dev)            # decode step index
+        self.temperature = torch.zeros((), dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros((), dtype=L, device=dev)
+        self.top_p = torch.ones((), dtype=torch.float32, device=dev)
+        self.uchunk = torch.zeros(UNIFORM_CHUNK, B, Wu, device=dev) if Wu else None
+        self.rec = torch.zeros(R, 5, B, dtype=L, device=dev)
+        self.flag = torch.zeros(2, dtype=L, device=dev)             # (any row active, longest cache)
+        cuda = dev.type == "cuda"
+        self.pinned = torch.zeros(2, 2, dtype=L, pin_memory=cuda)
+        self.events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else None
+        self.graphs: dict = {}
+
+
+_FAILED = "failed"
+
+
+class Generation:
+    """The state of one ``generate`` call and its steps (prefill, draft, verify, commit).
+    ``step()`` is the unit captured in a CUDA graph; ``run()`` is the decode loop."""
+
+    def __init__(self, model: TargetModel, prompts, max_new_tokens, drafter=None, k=3, tree=None, rule="greedy",
+                 temperature=0.0, top_k=0, top_p=1.0, thresholds=(1.0, 1.0), seed=0, stop_token_ids=None,
+                 use_cuda_graphs=False):
+        _check(model, prompts, max_new_tokens, drafter, k, tree, rule, temperature, top_k, top_p, thresholds)
+        self.model, self.prompts, self.max_new_tokens = model, [list(p) for p in prompts], max_new_tokens
+        self.drafter, self.k, self.rule = drafter, k, rule
+        self.tree = tree if drafter is not None else None
+        self.thresholds = tuple(float(t) for t in thresholds)
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.dev = dev = model.device
         self.B = B = len(prompts)
-        self.stops = set(model.args.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        self.stop_ids = sorted(set(int(t) for t in (model.args.eos_token_ids if stop_token_ids is None
+                                                     else stop_token_ids)))
         seeds = [seed + i for i in range(B)] if isinstance(seed, int) else list(seed)
         if len(seeds) != B:
             raise ValueError("seed list must have one seed per prompt")
         self.gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        self.graphs = use_cuda_graphs and dev.type == "cuda"
+        self.use_graphs = use_cuda_graphs and dev.type == "cuda"
         self.sampling = temperature > 0
-        # a fixed number of uniforms per request and step, whatever the batch drafted: a request's
-        # random stream (and so its tokens) does not depend on the other requests in the batch
-        self.n_draw = 1 + (0 if drafter is None else (tree.total_tokens if tree is not None else k))
+        tr = self.tree
+        self.K = 0 if drafter is None else (tr.total_tokens if tr is not None else k)
+        self.n_draw = 1 + self.K                                   # accept / sample uniforms per step
+        self.n_du = k if (drafter is not None and tr is None and rule == "rejection") else 0
+        self.Wu = 2 * self.n_draw + self.n_du if self.sampling else 0
+        draft_slots = (tr.depth - 1) * tr.topk if tr is not None else self.K
+        width = tr.depth + 1 if tr is not None else self.K + 1     # positions a step commits (and re-drafts)
+        self.reach = max(self.K + 1, draft_slots + 1, width)       # slots past a row's cache a step may touch
         self.aux_ids = tuple(getattr(drafter, "aux_layer_ids", ()) or ()) if drafter is not None else ()
         self.need_final = bool(getattr(drafter, "needs_final", False)) if drafter is not None else False
+        R = _pow2(max_new_tokens + 2, 8)
+        key = (B, self.Wu, R, _pow2(len(self.stop_ids), 8))
+        ws = model.workspaces.get(key)
+        if ws is None:
+            ws = model.workspaces[key] = _Workspace(B, model.max_seq, self.Wu, *key[2:], dev)
+        self.ws = ws
+        self.stats = {"captured": 0, "replayed": 0, "eager": 0, "failed": 0}
+        self.graph_safe = self.capture = self.inner_graphs = self.pipelined = False
+        self.kv_len = model.cache.slots
+        self.known_max, self.known_step, self.steps_run = 0, -1, 0
+        self.t, self.done = 0, False                              # decode steps launched; finished
+        self._u = None
+        # the host view of the histories, pulled from the device when a drafter reads it
+        self._hist_host = [list(p) for p in prompts]
+        self._active_host = [True] * B
+        self._version = self._host_version = 0
+        self.ctx = DraftContext(self._hist_host, self._active_host, dev, model.max_seq, model.args.vocab_size,
+                                sample_drafts=rule == "rejection", temperature=ws.temperature, top_k=ws.top_k,
+                                top_p=ws.top_p, generators=self.gens, batch=B, tokens=ws.hist,
+                                lengths=ws.hist_len, active_mask=ws.active, pull=self._pull_host)
 
-        self.histories = [list(p) for p in prompts]      # prompt + emitted; shared with the drafter
-        self.out_tokens: list[list[int]] = [[] for _ in range(B)]
-        self.reasons = ["length"] * B
-        self.active = [True] * B
-        self.records: list[StepRecord] = []
-        self.steps = [0] * B                             # decode steps per request
-        self.forwards = 0                                # batched decode forwards
-        self.cache_len: torch.Tensor | None = None       # [B] committed cache lengths (device)
-        self.ctx = DraftContext(histories=self.histories, active=self.active, device=dev, max_seq=model.max_seq,
-                                vocab_size=model.args.vocab_size, sample_drafts=rule == "rejection",
-                                temperature=temperature, top_k=top_k, top_p=top_p, generators=self.gens)
+    # ---- host view, randomness ---------------------------------------------------------
+    def _pull_host(self) -> None:
+        """Bring ``ctx.histories`` / ``ctx.active`` up to date (a host sync; only drafters that
+        are not graph_safe read them)."""
+        if self._host_version == self._version:
+            return
+        ws = self.ws
+        lens, act = ws.hist_len.tolist(), ws.active.tolist()
+        lo = min(len(h) for h in self._hist_host)
+        hi = max(lens)
+        rows = ws.hist[:, lo:hi].tolist() if hi > lo else [[] for _ in lens]
+        for b, h in enumerate(self._hist_host):
+            h.extend(rows[b][len(h) - lo:lens[b] - lo])
+        self._active_host[:] = act
+        self._host_version = self._version
 
-    # ---- randomness and emission -------------------------------------------------------
-    def _uniforms(self, n: int) -> torch.Tensor:
-        """[2, B, n]: (accept, sample) uniforms, row b from request b's generator."""
-        return torch.stack([torch.rand(2, self.n_draw, generator=g) for g in self.gens], 1)[:, :, :n].to(self.dev)
+    def _refill(self) -> None:
+        """The next UNIFORM_CHUNK steps of every request's uniforms, drawn on the host, into the
+        device chunk (a non-blocking copy from pinned memory on CUDA)."""
+        u = torch.stack([torch.rand(UNIFORM_CHUNK, self.Wu, generator=g) for g in self.gens], 1)
+        if self.dev.type == "cuda":
+            u = u.pin_memory()
+            self.ws.uchunk.copy_(u, non_blocking=True)
+            self._u_host = u                                       # keep it alive until copied
+        else:
+            self.ws.uchunk.copy_(u)
 
-    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, u_sample: torch.Tensor | None) -> torch.Tensor:
         """[B, V] -> next tokens by plain decoding (argmax, or a sample from p)."""
         if not self.sampling:
             return logits.argmax(-1)
-        p = target_probs(logits, self.temperature, self.top_k, self.top_p)
-        return sample_inverse_cdf(p, self._uniforms(1)[1, :, 0])
-
-    def _emit(self, b: int, toks: list[int]) -> int:
-        """Append tokens to request b until a stop token or max_new_tokens (which finish the
-        request); return how many were emitted."""
-        n = 0
-        for t in toks:
-            self.out_tokens[b].append(t)
-            self.histories[b].append(t)
-            n += 1
-            if t in self.stops:
-                self.reasons[b], self.active[b] = "stop", False
-                break
-            if len(self.out_tokens[b]) >= self.max_new_tokens:
-                self.active[b] = False
-                break
-        return n
+        ws = self.ws
+        return sample_inverse_cdf(target_probs(logits, ws.temperature, ws.top_k, ws.top_p), u_sample)
 
     # ---- steps ---------------------------------------------------------------------------
     def prefill(self) -> None:
-        """Run the prompts (left-aligned, one forward), emit each request's first token and
-        give the drafter the prompt's target states."""
-        m, dev, B = self.model, self.dev, self.B
+        """Run the prompts (left-aligned, one forward), emit each request's first token, reset
+        the device state and give the drafter the prompt's target states."""
+        m, dev, B, ws = self.model, self.dev, self.B, self.ws
         m.reset()
-        lens = torch.tensor([len(p) for p in self.prompts], device=dev)
-        T = int(lens.max())
+        lens_l = [len(p) for p in self.prompts]
+        T = max(lens_l)
+        lens = torch.tensor(lens_l, device=dev)
         ids = _left_aligned(self.prompts, T).to(dev)
         want_states = self.drafter is not None and (self.aux_ids or self.need_final)
         out = m(ids, aux_layer_ids=self.aux_ids, return_final=self.need_final,
@@ -241,63 +329,95 @@ class _Generation:
         rows = torch.arange(B, device=dev)
         last_logits = out.logits[rows, lens - 1] if want_states else out.logits[:, 0]
         m.set_lengths(lens)
-        first = self._pick(last_logits).tolist()
-        for b in range(B):
-            self._emit(b, [first[b]])
+        ws.hist.zero_()
+        ws.hist[:, :T] = ids
+        ws.prompt_len.copy_(lens)
+        ws.hist_len.copy_(lens)
+        ws.max_new.fill_(self.max_new_tokens)
+        ws.stops.fill_(-1)
+        if self.stop_ids:
+            ws.stops[:len(self.stop_ids)] = torch.tensor(self.stop_ids, device=dev)
+        ws.temperature.fill_(float(self.temperature))
+        ws.top_k.fill_(int(self.top_k))
+        ws.top_p.fill_(float(self.top_p))
+        ws.step.zero_()
+        ws.rec.zero_()
+        ws.flag.zero_()
+        if self.Wu:
+            self._refill()
+        first = self._pick(last_logits, ws.uchunk[0, :, self.n_draw] if self.Wu else None)
+        ws.hist.scatter_(1, lens[:, None], first[:, None])
+        ws.hist_len += 1
+        hit = (first[:, None] == ws.stops).any(1)
+        ws.stopped.copy_(hit)
+        ws.active.copy_(~hit & (self.max_new_tokens > 1))
+        self._version += 1
         if self.drafter is not None:
             self.drafter.start(self.ctx)
-            nxt = _left_aligned([p[1:] + [first[b]] for b, p in enumerate(self.prompts)], T)
+            self.ctx.kv_len = T
             self.drafter.update(Verified(start=torch.zeros(B, dtype=torch.long, device=dev), count=lens,
-                                         next_tokens=nxt.to(dev), aux=out.aux, final=out.final))
-        self.cache_len = lens.clone()
+                                         next_tokens=ws.hist[:, 1:T + 1], aux=out.aux, final=out.final))
+        self.graph_safe = self.drafter is None or bool(getattr(self.drafter, "graph_safe", False))
+        self.capture = self.use_graphs and self.graph_safe
+        self.inner_graphs = self.use_graphs and not self.graph_safe
+        self.pipelined = dev.type == "cuda" and self.graph_safe
+        self.known_max, self.known_step = T, -1
 
     def draft(self) -> _Draft:
         """The drafter's proposal for every row (nothing without a drafter; finished rows
         propose nothing)."""
-        B, dev = self.B, self.dev
-        act = torch.tensor(self.active, device=dev)
-        last = torch.tensor([h[-1] for h in self.histories], device=dev)[:, None]
+        B, dev, ws = self.B, self.dev, self.ws
+        act = ws.active.clone()
+        last = ws.hist.gather(1, (ws.hist_len - 1)[:, None])
+        if self.Wu:
+            self._u = ws.uchunk.index_select(0, (ws.step + 1) % UNIFORM_CHUNK)[0]     # [B, Wu] this step's
+            self.ctx.draft_u = self._u[:, 2 * self.n_draw:]
         if self.drafter is None:
             return _Draft(act, last, torch.zeros(B, dtype=torch.long, device=dev))
         if self.tree is not None:
             trees = self.drafter.propose_tree(self.ctx, self.tree)
-            K = trees.num_nodes
-            num = torch.where(act, torch.full((B,), K, device=dev), torch.zeros(B, dtype=torch.long, device=dev))
+            num = torch.where(act, trees.num_nodes, 0)
             return _Draft(act, torch.cat([last, trees.tokens], 1), num, tree=trees)
         prop = self.drafter.propose(self.ctx, self.k)
-        num = torch.where(act, prop.num, torch.zeros_like(prop.num))
-        K = self.k if self.graphs else int(num.max())      # CUDA graphs want one shape per k
+        Kp = prop.tokens.shape[1]
+        # one shape per k for graphs and for graph-safe drafters; a host drafter's proposal can be narrower
+        K = self.k if (self.use_graphs or self.graph_safe) else min(self.k, Kp)
+        w = min(K, Kp)
         drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
-        w = min(K, prop.tokens.shape[1])
         drafts[:, :w] = prop.tokens[:, :w]
+        num = torch.where(act, prop.num.to(dev).clamp(max=K), 0)
         probs = None
         if self.rule == "rejection" and K > 0:
             probs = torch.zeros(B, K, self.model.args.vocab_size, device=dev)
-            w = min(K, prop.probs.shape[1])
             probs[:, :w] = prop.probs[:, :w]
         return _Draft(act, torch.cat([last, drafts], 1), num, probs=probs)
 
     def verify(self, d: _Draft) -> _Verdict:
         """One target forward over last token + drafts (written after each row's committed
         cache), then the verify rule on p = target_probs(logits)."""
-        m, B, dev = self.model, self.B, self.dev
+        m, B, dev, ws = self.model, self.B, self.dev, self.ws
         Tn = d.tokens.shape[1]
-        write_pos = self.cache_len[:, None] + torch.arange(Tn, device=dev)
+        cache_len = m.cache.lengths[:B]
+        write_pos = cache_len[:, None] + torch.arange(Tn, device=dev)
         if d.tree is None:
             positions, mask = write_pos, None
         else:
-            positions, mask = d.tree.positions(self.cache_len), d.tree.ancestor_mask()
-        if self.graphs:
-            out = m.graphed_step(d.tokens, positions, write_pos, mask, self.aux_ids, self.need_final)
+            positions, mask = d.tree.positions(cache_len), d.tree.ancestor_mask()
+        if self.inner_graphs:
+            out = m.graphed_step(d.tokens, positions, write_pos, mask, self.aux_ids, self.need_final,
+                                 kv_len=self.kv_len)
         else:
             out = m(d.tokens, positions, write_pos, mask, aux_layer_ids=self.aux_ids, return_final=self.need_final,
-                    kv_len=int(self.cache_len.max()) + Tn)
-        self.forwards += 1
+                    kv_len=self.kv_len)
         logits = out.logits
-        ua, us = self._uniforms(Tn)
-        p = target_probs(logits, self.temperature, self.top_k, self.top_p) if self.sampling else logits
+        if self.sampling:
+            ua, us = self._u[:, :Tn], self._u[:, self.n_draw:self.n_draw + Tn]
+            p = target_probs(logits, ws.temperature, ws.top_k, ws.top_p)
+        else:
+            ua = us = torch.zeros(B, Tn, device=dev)
+            p = logits
         if d.tree is not None:
-            n_acc, path, toks = verify_tree(self.rule, d.tree, p, ua, us, self.thresholds)
+            n_acc, path, toks = verify_tree(self.rule, d.tree, p, ua, us, self.thresholds, max_depth=self.tree.depth)
             slots = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), path], 1)
         else:
             if d.K == 0:                                   # nothing drafted: plain decoding
@@ -306,37 +426,167 @@ class _Generation:
             else:
                 n_acc, toks = verify_chain(self.rule, d.tokens[:, 1:], d.num, p, d.probs, ua, us)
             slots = torch.arange(Tn, device=dev)[None].expand(B, Tn)    # chain: position i at slot i
-        n_acc = torch.where(d.active, n_acc, torch.zeros_like(n_acc))
+        n_acc = torch.where(d.active, n_acc, 0)
         return _Verdict(n_acc, toks.clamp(min=0), slots, out)     # clamp: -1 pads past the emitted tokens
 
     def commit(self, d: _Draft, v: _Verdict) -> None:
-        """Accept: emit each active row's tokens (stop handling) and record the step; then
-        commit the KV cache: move an accepted tree path into sequence order, tell the
-        drafter what was verified, and set each row's length to what it kept (the rejected
-        drafts' slots are rolled back)."""
+        """Accept: append each active row's tokens up to a stop token or max_new_tokens (which
+        finish the row) and record the step; then commit the KV cache: move an accepted tree
+        path into sequence order, tell the drafter what was verified, and set each row's length
+        to what it kept (the rejected drafts' slots are rolled back). All on the device, in place."""
+        m, B, dev, ws = self.model, self.B, self.dev, self.ws
+        cache_len = m.cache.lengths[:B]
         if d.tree is not None:
-            self.model.compact(self.cache_len[:, None] + v.slots, self.cache_len)
-        self._accept(d, v)
-        committed = torch.where(d.active, v.num_accepted + 1, torch.zeros_like(v.num_accepted))
+            m.compact(cache_len[:, None] + v.slots, cache_len)
+        act, n_acc, toks = d.active, v.num_accepted, v.tokens
+        W = toks.shape[1]
+        pos = torch.arange(W, device=dev)
+        is_stop = (toks[:, :, None] == ws.stops).any(-1) & (pos <= n_acc[:, None])
+        any_stop = is_stop.any(1)
+        first_stop = torch.where(any_stop, is_stop.long().argmax(1), W)
+        room = ws.max_new - (ws.hist_len - ws.prompt_len)
+        n_emit = torch.minimum(torch.minimum(n_acc + 1, room), first_stop + 1)
+        n_emit = torch.where(act, n_emit, 0)
+        hit = act & any_stop & (first_stop < n_emit)
+        idx = (ws.hist_len[:, None] + pos).clamp(max=ws.hist.shape[1] - 1)
+        ws.hist.scatter_(1, idx, torch.where(pos < n_emit[:, None], toks, ws.hist.gather(1, idx)))
+        if d.tree is not None:
+            depth = d.tree.depths.amax().expand(B)
+        else:
+            depth = d.num
+        rec = torch.stack([act.long(), d.num, n_acc, n_emit, torch.where(d.num > 0, depth, 0)])
+        ws.rec.index_copy_(0, ws.step.clamp(max=ws.rec.shape[0] - 1), rec[None])
+        committed = torch.where(act, n_acc + 1, 0)
         if self.drafter is not None:
-            n = max(int(committed.max()), 1)
-            sel = v.slots[:, :n, None]
+            sel = v.slots[:, :W, None]
             aux, fin = v.out.aux, v.out.final
             self.drafter.update(Verified(
-                start=self.cache_len.clone(), count=committed, next_tokens=v.tokens[:, :n],
+                start=cache_len.clone(), count=committed, next_tokens=toks,
                 aux=aux.gather(1, sel.expand(-1, -1, aux.shape[-1])) if aux is not None else None,
                 final=fin.gather(1, sel.expand(-1, -1, fin.shape[-1])) if fin is not None else None))
-        self.cache_len = self.cache_len + committed
-        self.model.set_lengths(self.cache_len)
+        cache_len += committed
+        ws.hist_len += n_emit
+        finished = hit | (ws.hist_len - ws.prompt_len >= ws.max_new)
+        ws.stopped |= hit
+        ws.active &= ~finished
+        ws.step += 1
+        ws.flag.copy_(torch.stack([ws.active.any().long(), cache_len.max()]))
 
-    def _accept(self, d: _Draft, v: _Verdict) -> None:
-        n_acc, toks, num = v.num_accepted.tolist(), v.tokens.tolist(), d.num.tolist()
-        for b in range(self.B):
-            if not self.active[b]:
+    def step(self) -> None:
+        """One speculative step on the device: draft, verify, commit (no host sync for
+        graph-safe drafters; this is what a CUDA graph captures)."""
+        d = self.draft()
+        self.commit(d, self.verify(d))
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _bucket(self, need: int) -> int:
+        """The attention width for a step that touches at most ``need`` slots of any row: powers of
+        two >= KV_BUCKET_MIN on a GPU (few graph shapes; eager GPU steps use the same widths, so
+        they run the very kernels a graph replays), a multiple of 16 on a CPU (cost ~ width)."""
+        S = self.model.cache.slots
+        if self.capture or self.inner_graphs or self.dev.type == "cuda":
+            return min(_pow2(need, KV_BUCKET_MIN), S)
+        return min(round_up(need), S)
+
+    def _graph_key(self):
+        d = self.drafter
+        return (id(d), self.K, self.tree, self.rule, self.sampling, self.thresholds, self.kv_len, self.aux_ids,
+                self.need_final, self.n_draw, self.n_du)
+
+    def _launch(self) -> None:
+        """Run one step: replay its captured graph, or run it eagerly (and capture it, the first
+        time a shape is seen)."""
+        if not self.capture:
+            self.stats["eager"] += 1
+            self.step()
+            return
+        key = self._graph_key()
+        entry = self.ws.graphs.get(key)
+        if entry is not None and entry[0] is not _FAILED:
+            entry[0].replay()
+            self.stats["replayed"] += 1
+            return
+        self.stats["eager"] += 1
+        self.step()                     # the real step (it also compiles kernels and warms cuBLAS up)
+        if entry is None:
+            self.ws.graphs[key] = self._capture()
+
+    def _capture(self):
+        """Capture ``step()`` (nothing runs while capturing: the state is untouched)."""
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, pool=self.model.graph_pool()):
+                self.step()
+        except Exception as e:         # a drafter that syncs: keep running eagerly, never a wrong result
+            warnings.warn(f"speculative step not captured in a CUDA graph ({type(e).__name__}: {e}); "
+                          f"this shape runs eagerly", RuntimeWarning, stacklevel=3)
+            self.stats["failed"] += 1
+            return (_FAILED, None)
+        self.stats["captured"] += 1
+        return (g, self.drafter)        # holds the drafter: the key has its id
+
+    def run(self, max_steps: int | None = None) -> bool:
+        """Decode until every request is done (or ``max_steps`` more steps have run; calling
+        ``run`` again continues). Returns True when generation is finished."""
+        ws = self.ws
+        if self.t == 0 and not self.done and not bool(ws.active.any()):
+            self.done = True
+        limit = self.max_new_tokens + 1
+        stop_at = limit if max_steps is None else min(limit, self.t + max_steps)
+        while not self.done and self.t < stop_at:
+            t = self.t
+            self.kv_len = self._bucket(self.known_max + (t - self.known_step) * self.reach)
+            self.ctx.kv_len = self.kv_len
+            if self.Wu and (t + 1) % UNIFORM_CHUNK == 0:
+                self._refill()
+            self._launch()
+            self._version += 1
+            self.t = t = t + 1
+            if self.pipelined:            # read step t-2's flag while the device runs step t-1
+                slot = (t - 1) % 2
+                ws.pinned[slot].copy_(ws.flag, non_blocking=True)
+                if ws.events is not None:
+                    ws.events[slot].record()
+                if t < 2:
+                    continue
+                if ws.events is not None:
+                    ws.events[1 - slot].synchronize()
+                alive, longest = ws.pinned[1 - slot].tolist()
+                self.known_max, self.known_step = longest, t - 2
+            else:
+                alive, longest = ws.flag.tolist()
+                self.known_max, self.known_step = longest, t - 1
+            if not alive:
+                self.done = True
+        if self.t >= limit:
+            self.done = True
+        self.steps_run = self.t
+        return self.done
+
+    def result(self, elapsed_s: float = 0.0, prefill_s: float = 0.0) -> GenerateResult:
+        """Everything back to the host at once: tokens, finish reasons, per-step records."""
+        ws, B = self.ws, self.B
+        n = min(self.steps_run, ws.rec.shape[0])
+        hist_len, prompt_len, stopped = ws.hist_len.tolist(), ws.prompt_len.tolist(), ws.stopped.tolist()
+        hist = ws.hist[:, :max(hist_len)].tolist()
+        rec = ws.rec[:n].tolist()
+        tokens = [hist[b][prompt_len[b]:hist_len[b]] for b in range(B)]
+        reasons = ["stop" if stopped[b] else "length" for b in range(B)]
+        records, steps, forwards = [], [0] * B, 0
+        for r in rec:
+            act, num, acc, emit, depth = r
+            if not any(act):
                 continue
-            depth = (d.tree.max_depth() if d.tree is not None else num[b]) if num[b] else 0
-            emitted = self._emit(b, toks[b][:n_acc[b] + 1])
-            self.records.append(StepRecord(
-                request=b, step=self.steps[b], num_proposed=num[b], num_accepted=n_acc[b], num_emitted=emitted,
-                depth_proposed=depth, accepted_per_pos=[i < n_acc[b] for i in range(depth)]))
-            self.steps[b] += 1
+            forwards += 1
+            for b in range(B):
+                if not act[b]:
+                    continue
+                records.append(StepRecord(request=b, step=steps[b], num_proposed=num[b], num_accepted=acc[b],
+                                          num_emitted=emit[b], depth_proposed=depth[b],
+                                          accepted_per_pos=[i < acc[b] for i in range(depth[b])]))
+                steps[b] += 1
+        return GenerateResult(tokens=tokens, finish_reasons=reasons, records=records, elapsed_s=elapsed_s,
+                              prefill_s=prefill_s, target_forwards=forwards, graph_stats=dict(self.stats))
+
+
+_Generation = Generation

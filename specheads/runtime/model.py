@@ -11,6 +11,15 @@ when omitted; an ancestor mask for a token tree). The forward never changes
 ``lengths``: the caller commits accepted tokens (``commit``), rolls back
 (``set_lengths``) and, after tree verification, moves the accepted path into place
 (``compact``).
+
+Decode cost (issue 14): at batch 1 a step is bound by kernel launches, not by the
+weights, so the layer is written for few kernels: one fused RMSNorm, RoPE on q and k
+together from tables cast to the model dtype once (``x*cos + roll(x)*sin±``, equal to
+HF's ``rotate_half`` form), the attention mask built once per forward as an additive
+mask, and grouped-query attention as plain attention over the KV heads with the query
+heads of a group stacked as extra query rows (no K/V repeat). A forward attends over
+``kv_len`` slots only (rounded up to a multiple of 16, the alignment SDPA's kernels
+want); the cache allocates its slots rounded up the same way.
 """
 
 from __future__ import annotations
@@ -87,11 +96,18 @@ class ModelArgs:
 # Building blocks (also used by the drafters' own layers)
 # --------------------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Exactly Hugging Face's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    """Hugging Face's LlamaRMSNorm as one fused kernel (``F.rms_norm``, fp32 accumulation).
+    Identical maths in fp32; for half types the weight is applied before the one rounding
+    to the activation dtype (HF rounds, then scales in the half type): a last-bit difference
+    that buys 3 kernels per norm. Plain and speculative decoding share it, so greedy
+    outputs stay identical to each other."""
+    if weight.dtype != x.dtype:
+        weight = weight.to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def round_up(n: int, multiple: int = 16) -> int:
+    return -(-int(n) // multiple) * multiple
 
 
 def rope_tables(inv_freq: torch.Tensor, scale: float, max_seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,10 +119,22 @@ def rope_tables(inv_freq: torch.Tensor, scale: float, max_seq: int) -> tuple[tor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [B, T, D] (fp32). HF's rotate_half convention."""
+    """x [B, H, T, D]; cos/sin [B, T, D] (fp32). HF's rotate_half convention (reference form)."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: ``rotate_half(x) * sin == x.roll(D/2, -1) * signed_sin(sin)``
+    exactly (a negation is exact), so RoPE is ``addcmul(x * cos, x.roll(D/2), signed_sin)``."""
+    h = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :h], sin[..., h:]], -1)
+
+
+def apply_rope_fast(x: torch.Tensor, cos: torch.Tensor, sin_s: torch.Tensor) -> torch.Tensor:
+    """x [..., D]; cos / sin_s broadcastable, in x's dtype; three kernels."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_s)
 
 
 def build_attn_mask(lengths: torch.Tensor, write_pos: torch.Tensor, attn_mask: torch.Tensor | None,
@@ -122,22 +150,34 @@ def build_attn_mask(lengths: torch.Tensor, write_pos: torch.Tensor, attn_mask: t
     return vis[:, None]
 
 
-def cached_attention(q, k_new, v_new, k_cache, v_cache, write_pos, mask, kv_len):
-    """Write k_new/v_new [B, KvH, T, D] into the layer cache [B, KvH, S, D] at write_pos [B, T]
-    and attend q [B, H, T, D] over the first kv_len slots with a bool mask [B, 1, T, kv_len]."""
-    B, KvH, T, D = k_new.shape
-    idx = write_pos[:, None, :, None].expand(B, KvH, T, D)
-    k_cache.scatter_(2, idx, k_new.to(k_cache.dtype))
-    v_cache.scatter_(2, idx, v_new.to(v_cache.dtype))
-    k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != KvH)
+def additive_mask(vis: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> torch.Tensor:
+    """Bool visibility [B, 1, T, S] -> additive mask [B, 1, groups*T, S] in ``dtype`` (0 / -inf),
+    rows repeated per query group (row g*T + t is query t of group member g). Every row must
+    see at least one slot (a new token always sees itself)."""
+    if groups > 1:
+        vis = vis.repeat(1, 1, groups, 1)
+    return torch.zeros((), dtype=dtype, device=vis.device).masked_fill(~vis, float("-inf"))
+
+
+def grouped_attention(q, k, v, mask):
+    """q [B, T, H, D], k/v [B, KvH, S, D], additive mask [B, 1, G*T, S] (G = H // KvH) ->
+    [B, T, H*D]. The G query heads sharing a KV head become G*T query rows of one attention
+    over that head (HF's repeat_kv pairing: query head h uses KV head h // G)."""
+    B, T, H, D = q.shape
+    KvH = k.shape[1]
+    G = H // KvH
+    qg = q.reshape(B, T, KvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KvH, G * T, D)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    return o.view(B, KvH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
 
 
 class KVCache:
-    """Static cache for ``num_layers`` layers; ``lengths[b]`` = valid slots of row b."""
+    """Static cache for ``num_layers`` layers; ``lengths[b]`` = valid slots of row b.
+    ``slots`` (allocated) = ``max_seq`` rounded up to a multiple of 16."""
 
     def __init__(self, num_layers, batch, kv_heads, max_seq, head_dim, dtype, device):
-        shape = (num_layers, batch, kv_heads, max_seq, head_dim)
+        self.slots = round_up(max_seq)
+        shape = (num_layers, batch, kv_heads, self.slots, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
@@ -185,22 +225,27 @@ class Layer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
 
-    def forward(self, x, cos, sin, k_cache, v_cache, write_pos, mask, kv_len):
+    def forward(self, x, cos, sin_s, k_cache, v_cache, write_pos, mask, kv_len):
+        """x [B, T, H]; cos / sin_s [B, T, 1, D] in x's dtype (``signed_sin``); mask: additive
+        [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [B, KvH, slots, D]."""
         a = self.a
         B, T, _ = x.shape
+        nh, nkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
-        q, k, v = self.wqkv(h).split(
-            [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim], dim=-1)
-        q = q.view(B, T, a.num_heads, a.head_dim)
-        k = k.view(B, T, a.num_kv_heads, a.head_dim)
+        qkv = self.wqkv(h).view(B, T, nh + 2 * nkv, D)
         if a.qk_norm:
-            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = cached_attention(q, k, v, k_cache, v_cache, write_pos, mask, kv_len)
-        x = x + self.wo(o.transpose(1, 2).reshape(B, T, -1))
+            qk = torch.cat([rms_norm(qkv[:, :, :nh], self.q_norm, a.rms_norm_eps),
+                            rms_norm(qkv[:, :, nh:nh + nkv], self.k_norm, a.rms_norm_eps)], 2)
+        else:
+            qk = qkv[:, :, :nh + nkv]
+        qk = apply_rope_fast(qk, cos, sin_s)                        # q and k in one pass
+        k = qk[:, :, nh:].transpose(1, 2)                           # [B, KvH, T, D]
+        v = qkv[:, :, nh + nkv:].transpose(1, 2)
+        idx = write_pos[:, None, :, None].expand(B, nkv, T, D)
+        k_cache.scatter_(2, idx, k)
+        v_cache.scatter_(2, idx, v)
+        o = grouped_attention(qk[:, :, :nh], k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)
+        x = x + self.wo(o)
         h = rms_norm(x, self.post_norm, a.rms_norm_eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
         return x + self.w_down(F.silu(gate) * up)
@@ -223,6 +268,8 @@ class TargetModel(nn.Module):
         self.rope_scale = float(rope_scale)
         self.cache: KVCache | None = None
         self._graphs = None
+        self.workspaces: dict = {}       # generate's per-shape device state and step graphs
+        self._graph_pool = None
         self.setup_caches(max_batch, max_seq)
 
     # ---- construction -------------------------------------------------------------------
@@ -288,7 +335,18 @@ class TargetModel(nn.Module):
                              self.embed.weight.dtype, dev)
         cos, sin = rope_tables(self.inv_freq.float().cpu(), self.rope_scale, max_seq)
         self.cos, self.sin = cos.to(dev), sin.to(dev)
+        # HF computes cos/sin in fp32 and casts them to the activation dtype: cast the tables once
+        dt = self.embed.weight.dtype
+        self.cos_t, self.sin_t = cos.to(dev, dt), signed_sin(sin).to(dev, dt)
         self._graphs = None
+        self.workspaces = {}
+        self._graph_pool = None
+
+    def graph_pool(self):
+        """One CUDA-graph memory pool for every graph of this engine (they never run concurrently)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     @property
     def max_seq(self) -> int:
@@ -332,7 +390,8 @@ class TargetModel(nn.Module):
         """input_ids [B, T]. positions/write_pos [B, T] default to lengths[:, None] + arange(T).
         attn_mask [B, T, T] bool among the new tokens (None = causal). logits_index [B, n]
         selects which of the T positions get logits (None = all). kv_len bounds the attended
-        slots (None = the whole cache, as under CUDA graphs); it must exceed every write slot.
+        slots (None = the whole cache); it must exceed every write slot and is rounded up to a
+        multiple of 16. Nothing here reads a device value on the host (CUDA-graph safe).
         """
         B, T = input_ids.shape
         c = self.cache
@@ -345,10 +404,12 @@ class TargetModel(nn.Module):
         if positions is None:
             positions = lengths[:, None] + ar
         write_pos = write_pos.clamp(max=c.max_seq - 1)
-        kv_len = c.max_seq if kv_len is None else min(int(kv_len), c.max_seq)
-        mask = build_attn_mask(lengths, write_pos, attn_mask, kv_len)
+        kv_len = c.slots if kv_len is None else min(round_up(kv_len), c.slots)
+        a = self.args
+        vis = build_attn_mask(lengths, write_pos, attn_mask, kv_len)
+        mask = additive_mask(vis, self.dtype, a.num_heads // a.num_kv_heads)
         positions = positions.clamp(max=c.max_seq - 1)
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin_s = self.cos_t[positions][:, :, None], self.sin_t[positions][:, :, None]   # [B, T, 1, D]
         want = {int(i) for i in aux_layer_ids}
         L = self.args.num_layers
         captured = {}
@@ -356,7 +417,7 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in want:
                 captured[i] = x
-            x = layer(x, cos, sin, c.k[i, :B], c.v[i, :B], write_pos, mask, kv_len)
+            x = layer(x, cos, sin_s, c.k[i, :B], c.v[i, :B], write_pos, mask, kv_len)
         final = rms_norm(x, self.norm, self.args.rms_norm_eps)
         captured[L] = final
         aux = torch.cat([captured[int(i)] for i in aux_layer_ids], -1) if len(aux_layer_ids) else None
@@ -370,29 +431,33 @@ class TargetModel(nn.Module):
 
     # ---- CUDA graphs --------------------------------------------------------------------
     def graphed_step(self, input_ids, positions, write_pos, attn_mask, aux_layer_ids=(),
-                     return_final=False) -> ForwardOutput:
-        """A decode/verify forward replayed from a CUDA graph captured per (B, T) shape.
-        Inputs are copied into static buffers; the outputs are fresh copies."""
+                     return_final=False, kv_len: int | None = None) -> ForwardOutput:
+        """A decode/verify forward replayed from a CUDA graph captured per (B, T, kv_len) shape.
+        Inputs are copied into static buffers; the outputs are fresh copies. (``generate``
+        captures whole speculative steps instead when its drafter allows; this is the
+        per-forward graph for drafters that run on the host.)"""
         if self.device.type != "cuda":
-            return self.forward(input_ids, positions, write_pos, attn_mask, aux_layer_ids, return_final)
+            return self.forward(input_ids, positions, write_pos, attn_mask, aux_layer_ids, return_final,
+                                kv_len=kv_len)
         if self._graphs is None:
             self._graphs = CudaGraphs(self)
-        return self._graphs.run(input_ids, positions, write_pos, attn_mask, tuple(aux_layer_ids), return_final)
+        kv = self.cache.slots if kv_len is None else min(round_up(kv_len), self.cache.slots)
+        return self._graphs.run(input_ids, positions, write_pos, attn_mask, tuple(aux_layer_ids), return_final, kv)
 
 
 class CudaGraphs:
-    """One captured graph per (B, T, aux ids, final) key; all share one memory pool.
-    The graph attends over the whole static cache (kv_len = max_seq) and reads the row
-    lengths from the cache tensor, so nothing in it depends on host values."""
+    """One captured graph per (B, T, aux ids, final, kv_len) key; all share the engine's pool.
+    The graph attends over the first kv_len slots and reads the row lengths from the cache
+    tensor, so nothing in it depends on host values."""
 
     def __init__(self, model: TargetModel):
         self.model = model
         self.graphs: dict = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = model.graph_pool()
 
-    def run(self, input_ids, positions, write_pos, attn_mask, aux_ids, return_final):
+    def run(self, input_ids, positions, write_pos, attn_mask, aux_ids, return_final, kv_len):
         B, T = input_ids.shape
-        key = (B, T, aux_ids, return_final)
+        key = (B, T, aux_ids, return_final, kv_len)
         if attn_mask is None:
             attn_mask = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()[None].expand(B, T, T)
         entry = self.graphs.get(key)
@@ -414,13 +479,13 @@ class CudaGraphs:
         )
 
     def _capture(self, key, input_ids, positions, write_pos, attn_mask):
-        _, _, aux_ids, return_final = key
+        _, _, aux_ids, return_final, kv_len = key
         st = {"ids": input_ids.clone(), "pos": positions.clone(), "wp": write_pos.clone(),
               "mask": attn_mask.clone().contiguous()}
         m = self.model
 
         def step():
-            return m.forward(st["ids"], st["pos"], st["wp"], st["mask"], aux_ids, return_final)
+            return m.forward(st["ids"], st["pos"], st["wp"], st["mask"], aux_ids, return_final, kv_len=kv_len)
 
         # Warm-up runs write exactly what the real step writes (same inputs), so they are harmless.
         s = torch.cuda.Stream()

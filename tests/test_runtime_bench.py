@@ -1,0 +1,45 @@
+"""benchmarks/bench_runtime.py end to end on the CPU: a tiny target with SmolLM2's tokenizer and a
+random EAGLE-3 head exported in the speculators format; every drafter row, JSON, plot, profile."""
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_runtime", REPO / "benchmarks" / "bench_runtime.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from specheads.export.speculators import save
+    from specheads.heads import HeadConfig, build_head
+
+    cfg = AutoConfig.from_pretrained(tiny_target_dir)
+    torch.manual_seed(0)
+    hc = HeadConfig.from_target_config(cfg, "eagle3", aux_layer_ids=[1, 3, 5])
+    head = build_head(hc).eval()
+    save(head, None, tmp_path / "head", dtype=torch.float32)
+    out = tmp_path / "bench.json"
+    res = _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--new-tokens", "6",
+                         "--head", str(tmp_path / "head"), "--min-match", "2", "--out", str(out), "--profile"])
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["drafter"].split(" ")[0]) for r in rows] == [
+        (b, d) for b in (1, 2) for d in ("plain", "ngram", "head", "hybrid")]
+    for r in rows:
+        assert r["tokens"] == 6 * r["batch"] and r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+        assert abs(r["speedup"] - r["tokens_per_s"] / r["plain_tokens_per_s"]) < 1e-9
+        assert abs(r["speedup_over_tau"] - r["speedup"] / r["tau"]) < 1e-9
+        assert r["drafter"] == "plain" or r["lossless"] is True
+    assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text
+    assert "Profile: one plain decode step" in text and "Profile: one hybrid" in text
+    assert (tmp_path / "bench.png").stat().st_size > 1000
+    assert res["profile"]["plain"]["eager_ms_per_step"] > 0
