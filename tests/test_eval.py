@@ -84,21 +84,27 @@ def test_eval_flags_become_recipe_keys(tmp_path):
     assert r.target.source == "smollm2-135m" and r.eval_dir == tmp_path and e.split == "all"
 
 
-def test_eval_refuses_head_for_another_target(tiny_target_dir, tmp_path):
+def _export_random_head(d, hidden: int, target_hidden: int):
+    """An EAGLE-3 head with random weights in the speculators layout (SmolLM2's vocabulary)."""
     import torch
 
-    from specheads.export.common import ExportMeta
     from specheads.export import speculators
+    from specheads.export.common import ExportMeta
     from specheads.heads.config import HeadConfig
     from specheads.heads.eagle3 import Eagle3Head
 
-    cfg = HeadConfig(kind="eagle3", hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                     head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
-                     target_hidden_size=48, target_vocab_size=49152, draft_vocab_size=49152, aux_layer_ids=[1, 2, 3])
+    cfg = HeadConfig(kind="eagle3", hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=hidden // 16,
+                     num_key_value_heads=max(1, hidden // 32), head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=2048, target_hidden_size=target_hidden, target_vocab_size=49152,
+                     draft_vocab_size=49152, aux_layer_ids=[1, 2, 3])
     head = Eagle3Head(cfg)
     torch.nn.init.normal_(head.embed_tokens.weight)
-    speculators.save(head, ExportMeta(verifier_name_or_path="x", aux_layer_ids=[1, 2, 3]), tmp_path / "h",
-                     dtype=torch.float32)
+    speculators.save(head, ExportMeta(verifier_name_or_path="x", aux_layer_ids=[1, 2, 3]), d, dtype=torch.float32)
+    return d
+
+
+def test_eval_refuses_head_for_another_target(tiny_target_dir, tmp_path):
+    _export_random_head(tmp_path / "h", hidden=32, target_hidden=48)
     args = build_parser().parse_args([
         "eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--out", str(tmp_path / "ev"),
         "--head", str(tmp_path / "h"), "--limit", "1", "--max-new-tokens", "4"])
@@ -108,20 +114,7 @@ def test_eval_refuses_head_for_another_target(tiny_target_dir, tmp_path):
 
 def test_eval_hybrid_runs_beside_the_head(tiny_target_dir, tmp_path):
     """--compare hybrid puts each head with n-gram drafts beside the head alone; greedy stays lossless."""
-    import torch
-
-    from specheads.export import speculators
-    from specheads.export.common import ExportMeta
-    from specheads.heads.config import HeadConfig
-    from specheads.heads.eagle3 import Eagle3Head
-
-    cfg = HeadConfig(kind="eagle3", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=2048,
-                     target_hidden_size=64, target_vocab_size=49152, draft_vocab_size=49152, aux_layer_ids=[1, 2, 3])
-    head = Eagle3Head(cfg)
-    torch.nn.init.normal_(head.embed_tokens.weight)
-    speculators.save(head, ExportMeta(verifier_name_or_path="x", aux_layer_ids=[1, 2, 3]), tmp_path / "h",
-                     dtype=torch.float32)
+    _export_random_head(tmp_path / "h", hidden=64, target_hidden=64)
     with pytest.raises(EvalError, match="compare=hybrid needs a head"):
         plan_runs(_recipe(tmp_path, "--compare", "hybrid"))
     args = build_parser().parse_args([
