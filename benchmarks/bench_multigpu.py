@@ -14,12 +14,25 @@ so row i is the same on every rank and for every world size. Micro-batches are l
 real feed lays them out (global micro-batch list, rank r takes r, r+W, ...): with the same
 global batch (micro × accumulation × ranks) a run on 1 GPU and on 2 GPUs sees the same rows in
 every optimizer step, so their loss curves must agree within bf16 noise.
+
+Resume on another number of GPUs (issue #15): ``--kill-at-step S`` (with ``--save-every S``) kills
+every rank right after the step-S checkpoint is written; the same command with ``--resume`` on
+another number of GPUs and the ``--accum`` that keeps the global batch continues it::
+
+    torchrun --nproc_per_node 2 benchmarks/bench_multigpu.py --zero 2 --accum 1 --save-every 6 --kill-at-step 6 \
+        --tag z2_2to1_killed --out results/ --run-dir /tmp/mg/z2_2to1
+    torchrun --nproc_per_node 1 benchmarks/bench_multigpu.py --zero 2 --accum 2 --save-every 6 --resume \
+        --tag z2_2to1 --out results/ --run-dir /tmp/mg/z2_2to1
+    python benchmarks/bench_multigpu.py --resume-report --out results/   # JSON + plot of the curves
+
+``--shape tiny --device cpu`` runs the same on a CPU (gloo) in seconds.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,6 +48,11 @@ from specheads.config import load_recipe  # noqa: E402
 from specheads.heads import HeadConfig  # noqa: E402
 from specheads.target import Target  # noqa: E402
 from specheads.train.loop import run_train  # noqa: E402
+
+# A CPU smoke-test shape (aux layer ids as the 8B's: the target's decoder stays on the meta device anyway).
+SHAPES = {**CONFIGS, "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                  target_vocab_size=256, draft_vocab_size=128, aux_layer_ids=[2, 16, 29],
+                                  rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5)}
 
 
 def shaped_target(shape: dict, num_layers: int, device: torch.device) -> Target:
@@ -66,10 +84,11 @@ class RandomFeed:
     """Random rows (ids, aux, final) that depend only on the row index; the real feed's batch layout."""
 
     def __init__(self, n_rows: int, seq: int, micro: int, hidden: int, n_aux: int, vocab: int, rank: int, world: int,
-                 device: torch.device):
+                 device: torch.device, kill_after: int | None = None):
         self.n_rows, self.seq, self.micro, self.hidden, self.n_aux, self.vocab = n_rows, seq, micro, hidden, n_aux, vocab
         self.rank, self.world, self.device = rank, world, device
         self.epoch, self.index = 0, 0
+        self.kill_after, self.served = kill_after, 0  # micro-batches this process serves before it kills itself
 
     def __len__(self) -> int:
         return (self.n_rows // self.micro) // self.world
@@ -83,6 +102,11 @@ class RandomFeed:
 
     def __iter__(self):
         while self.index < len(self):
+            if self.served == self.kill_after:
+                # asked for the first micro-batch after the kill step: its checkpoint is on disk
+                print(f"rank {self.rank}: killed after {self.served} micro-batches", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.served += 1
             micro_batch = self.index * self.world + self.rank  # global micro-batch index
             rows = [self._row(micro_batch * self.micro + j) for j in range(self.micro)]
             self.index += 1
@@ -95,15 +119,20 @@ class RandomFeed:
         self.index = 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"epoch": self.epoch, "index": self.index, "world_size": self.world,
+                "global_position": self.index * self.world}
 
     def load_state_dict(self, st: dict) -> None:
-        self.epoch, self.index = int(st["epoch"]), int(st["index"])
+        """As ``dump.feed.Feed``: a state of another world size continues at the same global micro-batch."""
+        consumed = int(st.get("global_position", st["index"] * self.world))
+        if consumed % self.world:
+            raise ValueError(f"{consumed} global micro-batches consumed do not divide by {self.world} ranks")
+        self.epoch, self.index = int(st["epoch"]), consumed // self.world
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(CONFIGS), default="llama8b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
     ap.add_argument("--zero", type=int, default=2)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=1)
@@ -112,18 +141,27 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--tag", required=True)
+    ap.add_argument("--tag")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--run-dir", type=Path, help="default: OUT/runs/TAG")
     ap.add_argument("--device", default="cuda", help="cuda (one process per GPU) or cpu (a smoke test)")
+    ap.add_argument("--save-every", type=int, help="checkpoint interval (default: --steps)")
+    ap.add_argument("--kill-at-step", type=int, help="SIGKILL every rank right after this step's checkpoint")
+    ap.add_argument("--resume", action="store_true", help="continue the run dir's latest checkpoint")
+    ap.add_argument("--resume-report", action="store_true",
+                    help="no training: OUT/resume_n_to_m.json and .png from the resume runs' results in OUT")
     args = ap.parse_args(argv)
+    if args.resume_report:
+        return resume_report(args.out)
+    if not args.tag:
+        ap.error("--tag is required")
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    shape = CONFIGS[args.shape]
+    shape = SHAPES[args.shape]
     target = shaped_target(shape, 32 if args.shape == "llama8b" else 30, device)
     n_aux = len(shape["aux_layer_ids"])
     run_dir = args.run_dir or args.out / "runs" / args.tag
@@ -131,7 +169,8 @@ def main(argv=None) -> int:
         f"run_dir={run_dir}", "train.precision=bf16", f"train.zero_stage={args.zero}",
         f"train.micro_batch_size={args.micro}", f"train.grad_accum={args.accum}", f"train.max_steps={args.steps}",
         f"train.ttt_steps={args.ttt}", f"train.lr={args.lr}", "train.warmup_steps=2", "train.eval_every=0",
-        f"train.save_every={args.steps}", "train.logging.wandb=disabled", f"data.max_length={args.seq}",
+        f"train.save_every={args.save_every or args.steps}", f"train.resume={str(args.resume).lower()}",
+        "train.logging.wandb=disabled", f"data.max_length={args.seq}",
         f"head.aux_layer_ids={shape['aux_layer_ids']}", f"vocab.draft_vocab_size={shape['draft_vocab_size']}",
         "dump.mode=offline"])
     Vt, Vd = shape["target_vocab_size"], shape["draft_vocab_size"]
@@ -139,7 +178,8 @@ def main(argv=None) -> int:
     t2d = torch.zeros(Vt, dtype=torch.bool)
     t2d[ids] = True
     vocab = (ids - torch.arange(Vd), t2d, {"draft_vocab_size": Vd, "target_vocab_size": Vt, "synthetic": True})
-    feed = RandomFeed(args.rows, args.seq, args.micro, shape["hidden_size"], n_aux, Vt, rank, world, device)
+    feed = RandomFeed(args.rows, args.seq, args.micro, shape["hidden_size"], n_aux, Vt, rank, world, device,
+                      kill_after=args.kill_at_step * args.accum if args.kill_at_step else None)
     cuda = device.type == "cuda"
     peak = matmul_peak(device, torch.bfloat16, 8192 if cuda else 512, 20 if cuda else 2)
     if cuda:
@@ -152,6 +192,7 @@ def main(argv=None) -> int:
     steady = [r["tokens_per_s"] for r in train_rows[3:]] or [r["tokens_per_s"] for r in train_rows]
     tok_s = sorted(steady)[len(steady) // 2]  # median over steps after warm-up, all ranks' tokens
     cfg = HeadConfig(kind="eagle3", **shape)
+    start = summary["start_step"]
     fl = step_flops(cfg, 1, args.seq, args.ttt)
     per_token = fl["total"] / args.seq
     res = {
@@ -161,7 +202,8 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "bf16_matmul_peak_tflops": peak / 1e12,
         "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
         "mfu": per_token * tok_s / (peak * world), "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None,
-        "losses": [r["loss"] for r in train_rows], "wall_s": wall, "final_dir": summary["final_dir"],
+        "losses": [r["loss"] for r in train_rows], "resumed_at_step": start or None,
+        "wall_s": wall, "final_dir": summary["final_dir"],
         "checkpoint": summary["checkpoint"],
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +211,62 @@ def main(argv=None) -> int:
     if rank == 0:
         print(f"{args.tag}: {tok_s:,.0f} tok/s on {world} GPU(s), MFU {res['mfu']:.1%}, peak {res['peak_mem_gib'] or 0:.1f} GiB "
               f"(rank 0), loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}", flush=True)
+    return 0
+
+
+def resume_report(out: Path) -> int:
+    """Curves of the N -> M resumes (``z{Z}_2to1``, ``z{Z}_1to2``) against the uninterrupted runs of the
+    same global batch (``z{Z}_w2``, ``z{Z}_w1``): ``resume_n_to_m.json`` and ``resume_n_to_m.png``."""
+    def losses(tag):
+        f = out / f"{tag}.rank0.json"
+        return json.loads(f.read_text()) if f.is_file() else None
+
+    report = {}
+    for z in (1, 2, 3):
+        ref = {w: losses(f"z{z}_w{w}") for w in (1, 2)}
+        for tag, before, after in ((f"z{z}_2to1", 2, 1), (f"z{z}_1to2", 1, 2)):
+            r = losses(tag)
+            if r is None:
+                continue
+            s = r["resumed_at_step"]
+            row = {"zero_stage": z, "gpus_before": before, "gpus_after": after, "killed_after_step": s,
+                   "grad_accum_after": r["grad_accum"], "losses": r["losses"], "resume_wall_s": r["wall_s"]}
+            for w in (1, 2):
+                if ref[w] is not None and s:
+                    d = [abs(a - b) for a, b in zip(r["losses"][s:], ref[w]["losses"][s:])]
+                    row[f"max_abs_diff_after_resume_vs_{w}gpu_run"] = max(d) if d else None
+                    row[f"uninterrupted_{w}gpu_losses"] = ref[w]["losses"]
+            report[tag] = row
+    if not report:
+        print(f"no resume results (z*_2to1.rank0.json, z*_1to2.rank0.json) in {out}", file=sys.stderr)
+        return 1
+    (out / "resume_n_to_m.json").write_text(json.dumps(report, indent=1))
+    for tag, row in report.items():
+        diffs = {k: v for k, v in row.items() if k.startswith("max_abs_diff")}
+        print(f"{tag}: killed after step {row['killed_after_step']}, resumed on {row['gpus_after']} GPU(s) "
+              f"(grad_accum {row['grad_accum_after']}), loss -> {row['losses'][-1]:.4f}, {diffs}", flush=True)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(report), figsize=(4.5 * len(report), 3.6), squeeze=False)
+    for ax, (tag, row) in zip(axes[0], report.items()):
+        steps = range(1, len(row["losses"]) + 1)
+        for w in (1, 2):
+            if f"uninterrupted_{w}gpu_losses" in row:
+                ax.plot(steps, row[f"uninterrupted_{w}gpu_losses"], lw=4 if w == 2 else 2, alpha=0.35,
+                        label=f"uninterrupted, {w} GPU")
+        s = row["killed_after_step"]
+        ax.plot(steps, row["losses"], "k.-", lw=1,
+                label=f"{row['gpus_before']} GPU -> killed -> {row['gpus_after']} GPU")
+        ax.axvline(s + 0.5, color="r", ls=":", lw=1)
+        ax.set(title=f"ZeRO-{row['zero_stage']}: {row['gpus_before']} -> {row['gpus_after']} GPU(s)",
+               xlabel="optimizer step", ylabel="train loss")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "resume_n_to_m.png", dpi=120)
     return 0
 
 

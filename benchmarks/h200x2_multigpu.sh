@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15 on 2 H200s of one host: ZeRO-2/3 scaling and memory of the 8B-shaped head (real trainer),
-# 1 vs 2 GPUs at the same global batch, ZeRO-3 gathering of the final head, and
+# 1 vs 2 GPUs at the same global batch, a run killed on 2 GPUs resumed on 1 and back (ZeRO-2/3),
+# ZeRO-3 gathering of the final head, and
 # recipes/llama8b_eagle3.yaml end to end on a randomly initialised Llama-3.1-8B-shaped target
 # (prepare -> vocab -> 2-rank dump (+ a 1-rank dump to compare) -> ZeRO-3 training on 2 GPUs ->
 # export + validation -> eval). Expects the project's wheels on PYTHONPATH. Writes to ${OUT:-out}.
@@ -23,6 +24,21 @@ for z in ${ZERO_STAGES:-2 3}; do
   stage z${z}_w2 torchrun --nproc_per_node 2 $B --zero $z --accum 1 --steps 12 --tag z${z}_w2 --out $R --run-dir /tmp/mg/z${z}_w2
   pack
 done
+# 1b. resume on another number of GPUs (N -> M, same global batch): a run killed right after its step-6
+# checkpoint continues on the other GPU count; the curve must follow the uninterrupted runs of stage 1
+# (resume_n_to_m.json + .png). The first resume converts the ZeRO checkpoint to a universal one.
+# The *_kill stages end rc=1 by design (torchrun reports the SIGKILLed ranks).
+for z in ${RESUME_ZERO_STAGES:-2 3}; do
+  K="--zero $z --steps 12 --save-every 6"
+  stage z${z}_2to1_kill torchrun --nproc_per_node 2 $B $K --accum 1 --kill-at-step 6 --tag z${z}_2to1_killed --out $R --run-dir /tmp/mg/z${z}_2to1
+  stage z${z}_2to1_resume torchrun --nproc_per_node 1 $B $K --accum 2 --resume --tag z${z}_2to1 --out $R --run-dir /tmp/mg/z${z}_2to1
+  stage z${z}_1to2_kill torchrun --nproc_per_node 1 $B $K --accum 2 --kill-at-step 6 --tag z${z}_1to2_killed --out $R --run-dir /tmp/mg/z${z}_1to2
+  stage z${z}_1to2_resume torchrun --nproc_per_node 2 $B $K --accum 1 --resume --tag z${z}_1to2 --out $R --run-dir /tmp/mg/z${z}_1to2
+  # ~25 GB a run dir (8B-head optimizer states, their universal copy): keep the sizes, free the disk
+  du -sh /tmp/mg/z${z}_*to*/train/checkpoints/* >> $R/resume_checkpoint_sizes.txt 2>&1; rm -rf /tmp/mg/z${z}_*to*
+done
+stage resume_report python3 $B --resume-report --out $R; pack
+
 # 2. ZeRO-3: the gathered final/ head against the head DeepSpeed re-assembles from the step-12 shards
 stage zero3_gather python3 benchmarks/compare_heads.py /tmp/mg/z3_w2/train/final /tmp/mg/z3_w2/train/checkpoints/step_12 \
   --out $R/zero3_gather.json; pack

@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--fractions", default="0.1,0.3,1")
     ap.add_argument("--lrs", default="3e-4,1e-3,3e-3")
     ap.add_argument("overrides", nargs="*", help="dotted recipe overrides for every run")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # overrides may follow the options
     fractions = sorted(float(x) for x in a.fractions.split(","))
     lrs = [float(x) for x in a.lrs.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ Layout under ``recipe.train_dir`` (the trainer writes it, ``specheads.train.chec
         client_state.json               resume fingerprint, step, target identity, head config
         rank_{r}.pt                     per-rank data position (feed.state_dict()) and RNG states
         head_config.json, meta.json     so a checkpoint alone can be loaded as a head
+    checkpoints/step_N.universal/       DeepSpeed universal copy of step_N, made when a ZeRO-1/2/3
+                                        run resumes on another number of ranks (reused after)
     final/model.safetensors             plain head weights (LoRA merged), fp32
     final/head_config.json              HeadConfig.to_dict()
     final/meta.json                     target identity, aux layer ids, vocab stats, recipe, step

@@ -6,6 +6,27 @@ The layout (names and the reader, ``load_trained_head``) is defined in
 ``rank_{r}.pt`` + ``head_config.json``/``meta.json``), ``checkpoints/latest``
 and ``final/`` (``model.safetensors``, ``head_config.json``, ``meta.json``).
 
+Resuming on another number of ranks (N -> M) keeps the global batch
+(ranks × ``train.grad_accum`` × micro-batch): the run must pass the
+``train.grad_accum`` that does (2 ranks × 1 -> 1 rank × 2). What DeepSpeed
+saved is re-sharded its own way:
+
+* ZeRO-1/2/3: the optimizer state is partitioned per rank, and DeepSpeed
+  refuses a ZeRO checkpoint of another data-parallel size. Rank 0 converts it
+  once with DeepSpeed's ``ds_to_universal`` into ``checkpoints/step_N.universal/``
+  (written under a temporary name, then renamed; reused by a later resume) and
+  the engine, built with ``"checkpoint": {"load_universal": true}``, loads
+  weights, Adam moments and the fp32 master copy from it for its own partition.
+  Frozen weights and buffers are not in a universal checkpoint: they come from
+  the recipe, target and vocabulary, which the fingerprint pins.
+* ZeRO-0: every rank holds the whole optimizer state in
+  ``mp_rank_00_model_states.pt``, so it loads unchanged on any world size
+  (``ds_to_universal`` needs ZeRO partition files and does not apply).
+
+Every rank then takes the data position and RNG states of saved rank 0: the
+feed continues at the same global batch (``Feed.load_state_dict`` maps
+``global_position``), and all ranks share one RNG stream as a fresh run does.
+
 A checkpoint is written only from a finite state: the trainer checks the
 loss before every backward and the gradient norm after every step, and
 stops without saving when either is NaN/inf, so ``latest`` always names the
@@ -13,9 +34,12 @@ last good state.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +60,7 @@ RESUME_FIELDS = [
     "seed",
     "head",
     "train.ttt_steps", "train.loss_decay", "train.eagle1_ce_weight", "train.epochs", "train.max_steps",
-    "train.micro_batch_size", "train.grad_accum", "train.max_tokens_per_batch", "train.lr",
+    "train.micro_batch_size", "train.grad_accum", "train.max_tokens_per_batch", "train.data_fraction", "train.lr",
     "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay", "train.betas", "train.grad_clip",
     "train.scheduler", "train.zero_stage", "train.precision",
     "vocab.draft_vocab_size",
@@ -74,14 +98,29 @@ def resume_fingerprint(recipe, target_identity: dict, d2t: torch.Tensor | None, 
     return json.loads(json.dumps(fp))  # lists/tuples normalised as JSON would
 
 
+# How the global batch is split: each may change on resume as long as their product does not.
+BATCH_SPLIT = ("world_size", "train.grad_accum")
+
+
 def compare_fingerprints(saved: dict, current: dict, where: str) -> None:
-    keys = sorted(set(saved) | set(current))
+    keys = sorted((set(saved) | set(current)) - set(BATCH_SPLIT))
     diffs = [f"  {k}: {saved.get(k, '<absent>')!r} (checkpoint) != {current.get(k, '<absent>')!r} (this run)"
              for k in keys if saved.get(k) != current.get(k)]
+    hint = ""
+    sw, sa = int(saved["world_size"]), int(saved["train.grad_accum"])
+    cw, ca = int(current["world_size"]), int(current["train.grad_accum"])
+    if sw * sa != cw * ca:
+        diffs.append(f"  ranks × train.grad_accum: {sw} × {sa} = {sw * sa} (checkpoint) != "
+                     f"{cw} × {ca} = {cw * ca} (this run)")
+        hint = ("\nThe global batch (ranks × train.grad_accum × train.micro_batch_size) must stay the same for the "
+                "run to continue its loss curve: ")
+        hint += (f"on {cw} rank(s) pass train.grad_accum={sw * sa // cw}." if (sw * sa) % cw == 0 else
+                 f"no whole train.grad_accum gives {sw * sa} on {cw} rank(s); resume on a number of ranks "
+                 f"that divides {sw * sa}.")
     if diffs:
         raise ResumeMismatchError(
             f"cannot resume from {where}: it was written by a different recipe/target/vocab; "
-            f"these fields differ:\n" + "\n".join(diffs) +
+            f"these fields differ:\n" + "\n".join(diffs) + hint +
             "\nSet train.resume=false (or use another run_dir) to start a new run, or restore the recipe.")
 
 
@@ -98,7 +137,9 @@ def set_rng_state(st: dict) -> None:
     np.random.set_state(st["numpy"])
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        # a state saved by a process that saw more GPUs (another launch) sets the devices this one has
+        for i, s in enumerate(st["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 # ---------------------------------------------------------------- save / load (DeepSpeed)
@@ -124,6 +165,8 @@ def save_checkpoint(engine, train_dir, step: int, client: dict, rank_state: dict
     tag_dir = root / tag
     if rank == 0:
         tag_dir.mkdir(parents=True, exist_ok=True)
+        # a universal copy of an earlier run's step_N would no longer match the step_N written now
+        shutil.rmtree(universal_dir(tag_dir), ignore_errors=True)
     _barrier()
     # The sidecar files go first: DeepSpeed writes `latest` last, so a tag it names is complete.
     torch.save(rank_state, tag_dir / f"rank_{rank}.pt")
@@ -140,16 +183,79 @@ def read_client_state(tag_dir: Path) -> dict:
     return json.loads((Path(tag_dir) / CLIENT).read_text())
 
 
-def load_checkpoint(engine, tag_dir: Path, rank: int) -> dict:
-    """Load model/optimizer/scheduler into ``engine``; returns this rank's state (feed + RNG)."""
+def saved_world_size(tag_dir: Path) -> int:
+    """The number of ranks that wrote a checkpoint."""
+    client = read_client_state(tag_dir)
+    return int(client.get("world_size", client["fingerprint"]["world_size"]))
+
+
+def needs_universal(tag_dir: Path | None, world_size: int, zero_stage: int) -> bool:
+    """Whether resuming ``tag_dir`` on ``world_size`` ranks goes through a universal checkpoint: the
+    engine must then be built with ``"checkpoint": {"load_universal": true}``."""
+    return tag_dir is not None and zero_stage > 0 and saved_world_size(tag_dir) != world_size
+
+
+def universal_dir(tag_dir: Path) -> Path:
+    return Path(tag_dir).with_name(Path(tag_dir).name + ".universal")
+
+
+def universal_copy(tag_dir: Path, rank: int, say=print) -> Path:
+    """DeepSpeed's universal form of a ZeRO checkpoint (``ds_to_universal``), beside it; rank 0 converts
+    it the first time, every rank waits for it."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
     tag_dir = Path(tag_dir)
-    path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
+    out = universal_dir(tag_dir)
+    if rank == 0 and not out.is_dir():
+        say(f"{tag_dir.name} was written on {saved_world_size(tag_dir)} rank(s): converting it to a DeepSpeed "
+            f"universal checkpoint {out} to re-shard the ZeRO optimizer state")
+        # Converted under a temporary name and renamed when complete, so an interrupted conversion is
+        # never taken for a finished one (ds_to_universal also drops a `latest_universal` file beside
+        # its output: it stays in the temporary folder).
+        work = tag_dir.parent / f".{out.name}.partial"
+        shutil.rmtree(work, ignore_errors=True)
+        # One worker: its process pool would fork a process that holds CUDA and NCCL state.
+        args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(work / out.name),
+                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                                  strict=True, inject_missing_state=True)
+        stdout, sys.stdout = sys.stdout, sys.stderr  # its progress lines are a log, not the command's output
+        try:
+            ds_to_universal(args)
+        finally:
+            sys.stdout = stdout
+        os.replace(work / out.name, out)
+        shutil.rmtree(work, ignore_errors=True)
+    _barrier()
+    if not out.is_dir():
+        raise RuntimeError(f"the universal checkpoint {out} is missing after rank 0 converted it "
+                           f"(do all ranks see the same checkpoint directory?)")
+    return out
+
+
+def load_checkpoint(engine, tag_dir: Path, rank: int, world_size: int, zero_stage: int, say=print) -> dict:
+    """Load model/optimizer/scheduler into ``engine``; returns this rank's state (feed + RNG).
+
+    On another world size than the checkpoint's, ZeRO states load through a universal checkpoint
+    (the engine must have been built for it: :func:`needs_universal`), and every rank gets saved
+    rank 0's state."""
+    tag_dir = Path(tag_dir)
+    saved_world = saved_world_size(tag_dir)
+    src = tag_dir
+    if needs_universal(tag_dir, world_size, zero_stage):
+        if not engine.load_universal_checkpoint():
+            raise RuntimeError("the DeepSpeed engine was built without checkpoint.load_universal: "
+                               "it cannot load a checkpoint written on another number of ranks")
+        src = universal_copy(tag_dir, rank, say)
+    elif saved_world != world_size:
+        say(f"{tag_dir.name} was written on {saved_world} rank(s), this run has {world_size}: ZeRO stage 0 keeps "
+            f"the whole optimizer state on every rank, loading it as saved")
+    path, _ = engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint {tag_dir}")
-    f = tag_dir / f"rank_{rank}.pt"
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint {src}")
+    f = tag_dir / f"rank_{rank if saved_world == world_size else 0}.pt"
     if not f.is_file():
-        raise ResumeMismatchError(f"{tag_dir} has no state for rank {rank} (was it written with another world size?)")
+        raise ResumeMismatchError(f"{tag_dir} has no {f.name}: the checkpoint is incomplete")
     return torch.load(f, map_location="cpu", weights_only=False)
 
 

@@ -428,7 +428,10 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
 
     total = total_steps(recipe, len(feed))
     sched = LRLambda(total, tcfg.warmup_steps, tcfg.scheduler, tcfg.min_lr_ratio)
-    engine, _, scheduler = _initialize(objective, deepspeed_config(recipe, precision), sched, tcfg, device, rank)
+    ds_cfg = deepspeed_config(recipe, precision)
+    if tcfg.resume and ckpt.needs_universal(ckpt.latest_checkpoint(train_dir), world, tcfg.zero_stage):
+        ds_cfg["checkpoint"] = {"load_universal": True}  # _resume re-shards ZeRO states written on another world size
+    engine, _, scheduler = _initialize(objective, ds_cfg, sched, tcfg, device, rank)
     identity = dict(target.identity())
     return Run(recipe=recipe, rank=rank, world=world, device=device, train_dir=train_dir, precision=precision,
                built=built, feed=feed, eval_feed=eval_feed, total=total, K=K, target_logits=target_logits,
@@ -439,7 +442,9 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
 
 def _resume(run: Run) -> int | None:
     """With ``train.resume``, load the latest checkpoint (weights, optimizer, scheduler, feed
-    position, RNG) after checking its fingerprint; returns its step, or None for a fresh start."""
+    position, RNG) after checking its fingerprint; returns its step, or None for a fresh start.
+    The checkpoint may come from another number of ranks when ranks × ``train.grad_accum`` is the same
+    (see :mod:`specheads.train.checkpoint`)."""
     tag = ckpt.latest_checkpoint(run.train_dir)
     root = ckpt.checkpoint_root(run.train_dir)
     if not run.recipe.train.resume:
@@ -452,12 +457,16 @@ def _resume(run: Run) -> int | None:
         return None
     saved = ckpt.read_client_state(tag)
     ckpt.compare_fingerprints(saved["fingerprint"], run.fingerprint, str(tag))
-    rank_state = ckpt.load_checkpoint(run.engine, tag, run.rank)
+    rank_state = ckpt.load_checkpoint(run.engine, tag, run.rank, run.world, run.recipe.train.zero_stage,
+                                      say=lambda m: _say(m, run.rank))
     if hasattr(run.feed, "load_state_dict") and rank_state.get("feed") is not None:
         run.feed.load_state_dict(rank_state["feed"])
     ckpt.set_rng_state(rank_state["rng"])
     step = int(saved["step"])
-    _say(f"resumed from {tag} at optimizer step {step}", run.rank)
+    saved_world = ckpt.saved_world_size(tag)
+    moved = (f" (written on {saved_world} rank(s) × train.grad_accum={saved['fingerprint']['train.grad_accum']}, "
+             f"now {run.world} × {run.recipe.train.grad_accum})" if saved_world != run.world else "")
+    _say(f"resumed from {tag} at optimizer step {step}{moved}", run.rank)
     return step
 
 
