@@ -1,11 +1,12 @@
 """Data generation speed: `data regenerate` and `data synthesize` against the engine's plain decode.
 
-    python benchmarks/bench_generate.py --device cuda --batch 64 --prompts 2048 --new-tokens 256 --out X.json
+    python benchmarks/bench_generate.py --device cuda --batch 64,256 --prompts 2048 --new-tokens 256 --out X.json
     python benchmarks/bench_generate.py --device cpu --batch 4 --prompts 8 --new-tokens 16   # a quick check
 
-All three rows run in one process on the same target (real SmolLM2-135M weights by default) at the
-same batch size. `plain decode` is the ceiling: one batch of prompts decoded for exactly
---new-tokens tokens (no early stop, greedy), after a warm-up (on CUDA, with CUDA graphs). `regenerate`
+For each batch size of --batch, three rows run in one process on the same target (real SmolLM2-135M
+weights by default) at that batch size. `plain decode` is the ceiling: one full batch of prompts
+decoded for exactly --new-tokens tokens (no early stop, greedy), after a warm-up (on CUDA, with CUDA
+graphs). Both stages decode with continuous batching. `regenerate`
 answers --prompts prompts of the built-in set (greedy, stops at EOS, writes JSONL as the stage does);
 `synthesize` writes --prompts user prompts with the recipe's default mix (sampled, documents for the
 copy-heavy ones, filters, de-duplication). Their tok/s count the generated tokens (documents and
@@ -36,8 +37,9 @@ from specheads.target import load_target
 
 
 def plain_decode(target, batch: int, new_tokens: int, graphs: bool) -> dict:
-    prompts = [render_prompt(target.tokenizer, [{"role": "user", "content": p["turns"][0]}])
-               for p in load_prompts("builtin:demo_prompts")[:batch]]
+    builtin = load_prompts("builtin:demo_prompts")
+    prompts = [render_prompt(target.tokenizer, [{"role": "user", "content": builtin[i % len(builtin)]["turns"][0]}])
+               for i in range(batch)]
     engine = TargetModel.from_hf(target.model, max_batch=batch, max_seq=max(map(len, prompts)) + new_tokens + 8)
     generate(engine, prompts, min(new_tokens, 8), stop_token_ids=(), use_cuda_graphs=graphs)  # warm-up / capture
     r = generate(engine, prompts, new_tokens, stop_token_ids=(), use_cuda_graphs=graphs)
@@ -60,7 +62,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
     ap.add_argument("--target", default="smollm2-135m", help="target to load (default: the bundled SmolLM2 GGUF)")
-    ap.add_argument("--batch", type=int, default=64, help="batch size of all three rows")
+    ap.add_argument("--batch", default="64", help="batch size of the three rows; several: 64,256")
     ap.add_argument("--prompts", type=int, default=256, help="conversations to regenerate and prompts to synthesize")
     ap.add_argument("--new-tokens", type=int, default=128,
                     help="max new tokens: plain decode, regenerated answers, synthesized messages and documents")
@@ -69,12 +71,21 @@ def main(argv=None) -> dict:
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     graphs = a.device == "cuda"  # the stages use CUDA graphs on a GPU; plain decode does the same
     target = load_target(a.target, dtype=dtype, device=a.device)
-    n_builtin = len(load_prompts("builtin:demo_prompts"))
+    batches = [int(b) for b in str(a.batch).split(",")]
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "dtype": dtype,
-           "target": a.target, "batch": a.batch, "prompts": a.prompts, "new_tokens": a.new_tokens,
-           "cuda_graphs": graphs, "rows": {}}
-    res["rows"]["plain decode"] = plain_decode(target, min(a.batch, n_builtin), a.new_tokens, graphs)
+           "target": a.target, "batches": batches, "prompts": a.prompts, "new_tokens": a.new_tokens,
+           "cuda_graphs": graphs, "by_batch": {}}
+    for batch in batches:
+        res["by_batch"][batch] = rows = run_batch(a, target, dtype, batch, graphs)
+        print_table(a, res, batch, rows)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    return res
 
+
+def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
+    rows = {"plain decode": plain_decode(target, batch, a.new_tokens, graphs)}
     with tempfile.TemporaryDirectory() as tmp:
         common = [f"target.source={a.target}", f"target.dtype={dtype}", f"target.device={a.device}", "seed=0"]
         # the built-in prompts, repeated under new ids when more are asked for than it has
@@ -85,31 +96,31 @@ def main(argv=None) -> dict:
                                for i, p in ((i, prompts[i % len(prompts)]) for i in range(a.prompts))))
         regen = load_recipe(None, common + [f"run_dir={tmp}/regen", f"data.sources=[{{path: {src}}}]",
                                             "data.holdout_fraction=0", "data.regenerate.enabled=true",
-                                            f"data.regenerate.batch_size={a.batch}",
+                                            f"data.regenerate.batch_size={batch}",
                                             f"data.regenerate.max_new_tokens={a.new_tokens}"])
-        res["rows"]["data regenerate"] = stage_row(run_regenerate, regen, target, "tokens", "conversations")
+        rows["data regenerate"] = stage_row(run_regenerate, regen, target, "tokens", "conversations")
         synth = load_recipe(None, common + [f"run_dir={tmp}/synth", f"data.synthesize.num_prompts={a.prompts}",
-                                            f"data.synthesize.batch_size={a.batch}",
+                                            f"data.synthesize.batch_size={batch}",
                                             f"data.synthesize.max_new_tokens={a.new_tokens}",
                                             f"data.synthesize.copy_tasks.document_tokens={a.new_tokens}"])
-        res["rows"]["data synthesize"] = stage_row(run_synthesize, synth, target, "generated_tokens", "written")
+        rows["data synthesize"] = stage_row(run_synthesize, synth, target, "generated_tokens", "written")
 
-    plain = res["rows"]["plain decode"]["tokens_per_s"]
-    for row in res["rows"].values():
+    plain = rows["plain decode"]["tokens_per_s"]
+    for row in rows.values():
         row["vs_plain"] = row["tokens_per_s"] / plain if plain else 0.0
-    print(f"\n### Generation speed, {a.target}, {res['device']}, {dtype}, batch {a.batch}, "
-          f"≤{a.new_tokens} new tokens, CUDA graphs {graphs}\n")
+    return rows
+
+
+def print_table(a, res: dict, batch: int, rows: dict) -> None:
+    print(f"\n### Generation speed, {a.target}, {res['device']}, {res['dtype']}, batch {batch}, "
+          f"≤{a.new_tokens} new tokens, CUDA graphs {res['cuda_graphs']}\n")
     print("| run | sequences | generated tokens | seconds | tok/s | ÷ plain decode |\n|---|---:|---:|---:|---:|---:|")
-    for name, r in res["rows"].items():
-        print(f"| {name} | {r['sequences']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} | "
+    for name, r in rows.items():
+        print(f"| {name} | {r['sequences']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} | "
               f"{r['vs_plain']:.2f} |")
-    s = res["rows"]["data synthesize"]["summary"]
+    s = rows["data synthesize"]["summary"]
     print(f"\nsynthesize: {s['written']} prompts written of {s['attempts']} attempts, near-duplicate rate "
           f"{s['near_duplicate_rate']:.1%}, {s['copy_heavy']} copy-heavy")
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    return res
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 # Expects: the GGUF at $GGUF (default /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf), the prompt files of
 # ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
 # Every stage resumes: a second run after a kill continues where the first stopped.
-# SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1).
+# SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1); EXTRAS=1 adds the
+# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -48,6 +49,14 @@ print(s['final']['train_dir'], s['best_lr'])")
     eval.limit=$VL eval.out=$RUN/eval_vicuna
   stage eval_gsm8k $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
     eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
+  if [ -n "${EXTRAS:-}" ]; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
+    LIMIT=150 stage eval_k5_t07_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
+      eval.split=all eval.limit=$VL eval.out=$RUN/eval_extras eval.compare=[] --k 5
+    LIMIT=150 stage eval_t07 $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
+      eval.limit=$VL eval.temperature=0.7 eval.out=$RUN/eval_t07 eval.compare=[] --rule onehot --rule rejection
+    LIMIT=150 stage eval_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
+      eval.limit=$VL eval.tree=4,4,16 eval.out=$RUN/eval_tree eval.compare=[]
+  fi
   LIMIT=240 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --out "$OUT/bench_runtime.json"
 }
@@ -55,6 +64,7 @@ LIMIT=120 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --s
   --smollm2-shapes $SHAPES --steps 5 --out "$OUT/bench_train.json"
 stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \
   --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
+  --eval vicuna_k5=$RUN/eval_extras --eval vicuna_t07=$RUN/eval_t07 --eval vicuna_tree=$RUN/eval_tree \
   --sweep $RUN/sweep --bench-runtime "$OUT/bench_runtime.json" --bench-train "$OUT/bench_train.json" \
   --timeline "$OUT/timeline.txt"
 tail -n 20 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"

@@ -35,6 +35,8 @@ def test_regenerate_resume_is_identical(tiny, tiny_target_dir, tmp_path):
     full = _recipe(tmp_path / "a", (tiny_target_dir, prompts))
     s = run_regenerate(full, target=tiny)
     assert s["empty"] == 1 and s["conversations"] + s["held_out"] == 11
+    written = json.loads((tmp_path / "a/data/regenerate_summary.json").read_text())
+    assert written["conversations"] == s["conversations"] and written["tokens"] == s["tokens"] > 0
     ref = (tmp_path / "a/data/regenerated.jsonl").read_text().splitlines()
     mt = [json.loads(x) for x in ref if json.loads(x)["id"] == "mt"]
     if mt:  # multi-turn: both user turns answered in order
@@ -61,3 +63,31 @@ def test_regenerate_refuses_other_recipes_data(tiny, tiny_target_dir, tmp_path):
     foreign.write_text('{"id": 1}\n')
     with pytest.raises(RegenerateError, match="not written by"):
         run_regenerate(_recipe(tmp_path, (tiny_target_dir, prompts), **{"data.regenerate.out": foreign}), target=tiny)
+
+
+def test_chat_continuous_multi_turn_equals_one_at_a_time(tiny):
+    """Continuous batching: each next turn is a new prefill of the conversation so far; answers
+    equal the fixed one-conversation batches (greedy), results come back in input order, and an
+    overlong prompt is skipped as before."""
+    from specheads.runtime.chat import chat_generate
+    from specheads.runtime.model import TargetModel
+
+    convs = [{"id": f"c{i}", "turns": [f"Question {i}: " + "why? " * (i % 4), "And then?", "Thanks."][: 1 + i % 3]}
+             for i in range(7)]
+    convs.append({"id": "long", "turns": ["word " * 200]})
+    engine = TargetModel.from_hf(tiny.model, max_batch=8, max_seq=512)
+    kw = dict(max_new_tokens=6, max_prompt_tokens=120)
+    ref, _ = chat_generate(engine, tiny.tokenizer, convs, batch_size=1, **kw)
+    done = []
+    got, secs = chat_generate(engine, tiny.tokenizer, convs, batch_size=3, continuous=True, sync_every=2,
+                              on_done=lambda r: done.append(r.id), **kw)
+    assert [r.id for r in got] == [c["id"] for c in convs] and sorted(done) == sorted(r.id for r in got)
+    for a, b in zip(ref, got):
+        assert (a.messages, a.answer_tokens, a.finish_reasons) == (b.messages, b.answer_tokens, b.finish_reasons)
+    assert got[-1].finish_reasons == ["skipped:overlong"] and secs > 0
+    assert [len(r.answer_tokens) for r in got[:3]] == [1, 2, 3]
+    # sampled: a conversation's answers do not depend on the batch size
+    # (sizes 4 and 8: see test_synthesize's note on CPU GEMMs and small batches)
+    s4, _ = chat_generate(engine, tiny.tokenizer, convs, batch_size=4, continuous=True, temperature=0.8, seed=3, **kw)
+    s8, _ = chat_generate(engine, tiny.tokenizer, convs, batch_size=8, continuous=True, temperature=0.8, seed=3, **kw)
+    assert [r.messages for r in s4] == [r.messages for r in s8]

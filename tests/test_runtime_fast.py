@@ -13,7 +13,7 @@ from specheads.errors import SpecheadsError
 from specheads.runtime.drafters import (DRAFTER_KINDS, DraftContext, Drafter, DraftVocabError, Eagle3Drafter,
                                         HybridDrafter, NGramDrafter, Proposal, drafter_for_head, make_drafter,
                                         ngram_match)
-from specheads.runtime.generate import KV_BUCKET_MIN, Generation, generate
+from specheads.runtime.generate import KV_BUCKET_MIN, Generation, Request, generate, generate_continuous
 from specheads.runtime.model import (TargetModel, additive_mask, apply_rope, apply_rope_fast, build_attn_mask,
                                      grouped_attention, signed_sin)
 from specheads.runtime.tree import TreeConfig
@@ -528,3 +528,61 @@ def test_state_buffers_outlive_batch_changes(llama):
     again = generate(m, PROMPTS, 10, **kw)
     assert ptrs(3) == before
     assert again.tokens == first.tokens
+
+
+# ------------------------------------------------------------------------------ continuous batching
+def _ragged_requests(n=9, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, V, (int(k),), generator=g).tolist() for k in torch.randint(1, 30, (n,), generator=g)]
+    return prompts, [5, 17, 1, 30, 8, 12, 3, 25, 9][:n]
+
+
+def _continuous(m, requests, batch, **kw):
+    got = {}
+    stats = generate_continuous(m, requests, lambda r, toks, why: got.__setitem__(r.tag, (toks, why)),
+                                batch_size=batch, **kw)
+    return [got[i] for i in range(len(got))], stats
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_continuous_batching_equals_one_at_a_time(llama, temperature):
+    """Ragged prompts, different length caps, early stops (stop ids for every other request):
+    each request's tokens equal generate() of it alone, whatever the batch and sync interval;
+    sampled ones draw from their own seed (a request joins mid-chunk of the batch's uniforms)."""
+    _, m = llama
+    prompts, caps = _ragged_requests()
+    kw = dict(rule="onehot", temperature=temperature, top_k=20) if temperature else {}
+    alone = []
+    for i, (p, n) in enumerate(zip(prompts, caps)):
+        r = generate(m, [p], n, seed=[100 + i], stop_token_ids=[3, 27, 43] if i % 2 else (), **kw)
+        alone.append((r.tokens[0], r.finish_reasons[0]))
+    assert any(why == "stop" for _, why in alone) and any(why == "length" for _, why in alone)
+    for batch, sync_every in [(1, 8), (3, 4), (4, 1)]:
+        reqs = [Request(p, n, seed=100 + i, stop_token_ids=[3, 27, 43] if i % 2 else (), tag=i)
+                for i, (p, n) in enumerate(zip(prompts, caps))]
+        got, stats = _continuous(m, reqs, batch, temperature=temperature, top_k=20, sync_every=sync_every)
+        assert got == alone, (batch, sync_every)
+        assert stats["requests"] == 9 and stats["tokens"] == sum(len(t) for t, _ in alone)
+    # slots are refilled: fewer decode steps than fixed batches that wait for their longest row
+    fixed = sum(max(caps[i:i + 3]) - 1 for i in range(0, 9, 3))
+    assert stats["steps"] < fixed
+
+
+def test_continuous_follow_ups_and_refusals(llama):
+    """on_finish's next request (a conversation's next turn) is served; a request that does not
+    fit the cache is refused by name."""
+    _, m = llama
+    seen = []
+
+    def on_finish(r, toks, why):
+        seen.append(r.tag)
+        if r.tag < 3:
+            return Request(r.prompt + toks + [5], 4, tag=r.tag + 10)
+        return None
+
+    stats = generate_continuous(m, (Request([1, 2, 3], 4, tag=i) for i in range(3)), on_finish, batch_size=2)
+    assert sorted(seen) == [0, 1, 2, 10, 11, 12] and stats["requests"] == 6
+    with pytest.raises(ValueError, match="max_seq=160"):
+        generate_continuous(m, [Request([1] * 150, 20)], lambda *a: None, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size 5"):
+        generate_continuous(m, [], lambda *a: None, batch_size=5)

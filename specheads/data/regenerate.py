@@ -3,11 +3,11 @@
 Draft heads accept far more when trained on the target's own answers. This
 stage reads prompts in any supported format (multi-turn: each user turn in
 order, feeding back the target's earlier answers), generates with the
-runtime's batched engine (and a draft head when given), and appends
-OpenAI-messages JSONL.
+runtime's engine under continuous batching (fixed batches when a draft head
+is given: drafting decodes in lockstep), and appends OpenAI-messages JSONL.
 
 Resumable: conversations are appended whole (one line, flushed and fsynced
-per batch); a rerun skips the ids already written and drops a torn last
+as each completes); a rerun skips the ids already written and drops a torn last
 line, so no prompt is generated twice and none is lost. Deterministic: each
 conversation's seed comes from its id, so its answer does not depend on
 batching or on where a previous run stopped. The output has a sidecar
@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 from specheads.errors import SpecheadsError
+from specheads.fileio import write_json_atomic
 
 from .appendlog import append_rows, check_recipe_inputs, check_settings, read_rows
 
@@ -29,6 +30,7 @@ class RegenerateError(SpecheadsError, ValueError):
 
 
 OUT_KEY = "data.regenerate.out"
+SUMMARY_NAME = "regenerate_summary.json"
 
 
 def _settings_doc(recipe, target) -> dict:
@@ -80,7 +82,7 @@ def run_regenerate(recipe, target=None) -> dict:
     check_settings(out, _settings_doc(recipe, target), RegenerateError, OUT_KEY, "specheads data regenerate")
     done = {str(r["id"]) for r in read_rows(out)}
     todo = [it for it in items if str(it["id"]) not in done]
-    # length-sorted batches waste less compute on ragged prompts; order does not change outputs
+    # length-sorted: the prompts prefilled together pad less; order does not change outputs
     todo.sort(key=lambda it: sum(len(t) for t in it["turns"]))
     max_turns = max((len(it["turns"]) for it in todo), default=1)
     max_seq = g.max_prompt_tokens * max_turns + max_turns * (g.max_new_tokens + 32) + 64
@@ -97,8 +99,7 @@ def run_regenerate(recipe, target=None) -> dict:
     written = {"conversations": 0, "tokens": 0, "skipped_overlong": 0}
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    # a batch's conversations all finish at once: the bar moves by whole batches (at the next
-    # decode step), or its first update after the warm-up would promise an ETA of hours
+    # the bar moves by finished conversations only (tokens would promise an ETA of hours after the warm-up)
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", smoothing=0)
     finished = [0]
     f = open(out, "a", encoding="utf-8")
@@ -124,14 +125,18 @@ def run_regenerate(recipe, target=None) -> dict:
         chat_generate(engine, target.tokenizer, todo, max_new_tokens=g.max_new_tokens, batch_size=g.batch_size,
                       drafter=drafter, k=g.k, rule="onehot" if sampling else "greedy", temperature=g.temperature,
                       top_k=g.top_k, top_p=g.top_p, seed=recipe.seed, max_prompt_tokens=g.max_prompt_tokens,
-                      use_cuda_graphs=engine.device.type == "cuda", on_done=on_done, progress=move_bar)
+                      use_cuda_graphs=engine.device.type == "cuda", on_done=on_done, progress=move_bar,
+                      continuous=True)
     finally:
         f.close()
         move_bar()
         bar.close()
     elapsed = time.time() - t0
     summary = {"out": str(out), "already_done": len(done), "prompts": len(items), **stats, **written,
-               "seconds": elapsed, "tokens_per_s": written["tokens"] / elapsed if elapsed else 0.0}
+               "seconds": elapsed, "tokens_per_s": written["tokens"] / elapsed if elapsed else 0.0,
+               "batch_size": g.batch_size, "device": str(engine.device), "drafter": g.head}
+    # this run's figures beside the output (a resumed run writes its own part's)
+    write_json_atomic(out.parent / SUMMARY_NAME, summary)
     print(f"regenerated {written['conversations']} conversations ({written['tokens']} tokens, "
           f"{summary['tokens_per_s']:.0f} tok/s); {len(done)} already done, {stats['empty']} empty and "
           f"{written['skipped_overlong']} overlong prompts skipped, {stats['held_out']} held out -> {out}")

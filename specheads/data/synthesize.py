@@ -25,7 +25,7 @@ reason and kept, with its text, in ``<out>.dropped.jsonl``.
 Deterministic for a seed: item i's plan and sampling seeds come from (seed, i)
 alone, and items are judged in index order (a near duplicate is the later of
 two), so the output does not depend on the batch size or on where a previous
-run stopped. Resumable: kept and dropped rows are appended (fsynced) per batch;
+run stopped. Resumable: kept and dropped rows are appended (fsynced) as judged;
 a rerun skips the items recorded in either file, cuts a torn last line off and
 continues. The ``.meta.json`` sidecar refuses a file written with other
 settings or another seed file (see :mod:`specheads.data.appendlog`).
@@ -45,7 +45,7 @@ import json
 import random
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
@@ -406,34 +406,14 @@ def dedup_text(turns: list[str]) -> str:
 
 
 class _Writer:
-    """Generates one batch of items with the engine: documents, user turns, answers between turns."""
+    """Writes items with the engine under continuous batching: an item's generations (its document,
+    user turns, answers between turns) are requests in turn, the next one queued as the last finishes."""
 
     def __init__(self, engine, tokenizer, cfg, seed: int, stops: list[int]):
         self.engine, self.tok, self.cfg, self.seed = engine, tokenizer, cfg, seed
         self.user_stops = sorted(set(stops) | set(engine.args.eos_token_ids))
         self.specials = list(_special_tokens(tokenizer))
         self.tokens = 0
-
-    def _sample(self, items: list[Item], prompts: list[list[int]], max_new: int, stops, step: int):
-        """Generate for ``items`` (one prompt each): (item, tokens, finish reason) for those that fit the
-        cache; the others are dropped as 'overlong'. ``step`` keeps each generation's seeds apart."""
-        from specheads.runtime.chat import seed_for
-        from specheads.runtime.generate import generate
-
-        fit = []
-        for it, p in zip(items, prompts):
-            if len(p) + max_new + 1 > self.engine.max_seq:
-                it.reason = "overlong"
-            else:
-                fit.append((it, p))
-        if not fit:
-            return []
-        g = self.cfg
-        res = generate(self.engine, [p for _, p in fit], max_new, rule="onehot", temperature=g.temperature,
-                       top_k=g.top_k, top_p=g.top_p, seed=[seed_for(it.id, self.seed, step) for it, _ in fit],
-                       stop_token_ids=stops, use_cuda_graphs=self.engine.device.type == "cuda")
-        self.tokens += sum(len(t) for t in res.tokens)
-        return [(it, toks, why) for (it, _), toks, why in zip(fit, res.tokens, res.finish_reasons)]
 
     def _text(self, toks: list[int], stops) -> str:
         if toks and toks[-1] in stops:
@@ -448,41 +428,78 @@ class _Writer:
         if it.reason is None:
             it.messages.append({"role": "user", "content": text.strip()})
 
-    def run(self, batch: list[Item]) -> None:
+    def _flow(self, it: Item):
+        """One item's generations: yields (prompt ids, max new tokens, stop ids or None for EOS, sampling
+        step), receives (tokens, finish reason); returns when the item is complete or dropped. ``step``
+        keeps each generation's seed apart."""
         g, tok, eos = self.cfg, self.tok, self.engine.args.eos_token_ids
-        # 1. documents the target writes for copy-heavy items (their own sampling stream, step 1000)
-        need = [it for it in batch if it.doc_request]
-        prompts = [_ids(tok, render(tok, [{"role": "user", "content": it.doc_request}], add_generation_prompt=True))
-                   for it in need]
-        for it, toks, why in self._sample(need, prompts, g.copy_tasks.document_tokens, None, 1000):
+        if it.doc_request:  # 1. the document of a copy-heavy item (its own sampling stream, step 1000)
+            prompt = _ids(tok, render(tok, [{"role": "user", "content": it.doc_request}], add_generation_prompt=True))
+            toks, why = yield prompt, g.copy_tasks.document_tokens, None, 1000
             text = self._text(toks, eos)
             it.document = trim_to_boundary(text) if why == "length" else text.strip()
             # a few words make no copy-heavy request
             if len(toks) < max(8, g.copy_tasks.document_tokens // 4) or not it.document:
                 it.reason = "short_document"
+                return
         for turn in range(g.turns):
-            live = [it for it in batch if it.reason is None]
             if turn > 0:  # 2. the target answers the last user turn (context for the next one)
-                prompts = [_ids(tok, render(tok, it.messages, add_generation_prompt=True)) for it in live]
-                for it, toks, _why in self._sample(live, prompts, g.answer_tokens, None, 2 * turn - 1):
-                    it.messages.append({"role": "assistant", "content": self._text(toks, eos).strip()})
-                live = [it for it in live if it.reason is None]
+                prompt = _ids(tok, render(tok, it.messages, add_generation_prompt=True))
+                toks, _why = yield prompt, g.answer_tokens, None, 2 * turn - 1
+                it.messages.append({"role": "assistant", "content": self._text(toks, eos).strip()})
             # 3. the user turn: a copy-heavy request, or written by the target from the template's user prefix
-            writers = []
-            for it in live:
-                if turn == 0 and it.copy_task:
-                    self._accept_turn(it, copy_prompt(it.copy_task, it.template, it.document, tok,
-                                                      g.copy_tasks.max_prompt_tokens))
-                else:
-                    writers.append(it)
-            prompts = [_ids(tok, user_prefix(tok, it.messages) + (it.opener if turn == 0 else "")) for it in writers]
-            for it, toks, why in self._sample(writers, prompts, g.max_new_tokens, self.user_stops, 2 * turn):
-                text = (it.opener if turn == 0 else "") + self._text(toks, self.user_stops)
+            if turn == 0 and it.copy_task:
+                self._accept_turn(it, copy_prompt(it.copy_task, it.template, it.document, tok,
+                                                  g.copy_tasks.max_prompt_tokens))
+            else:
+                opener = it.opener if turn == 0 else ""
+                prompt = _ids(tok, user_prefix(tok, it.messages) + opener)
+                toks, why = yield prompt, g.max_new_tokens, self.user_stops, 2 * turn
+                text = opener + self._text(toks, self.user_stops)
                 if why != "stop":  # the message never ended within the length cap
                     it.reason = "no_end"
                     it.turns.append(text.strip())
-                else:
-                    self._accept_turn(it, text)
+                    return
+                self._accept_turn(it, text)
+            if it.reason is not None:
+                return
+
+    def run(self, items, on_item) -> None:
+        """Generate every item of ``items`` (pulled as slots free up); ``on_item(item)`` as each is complete.
+        A generation that does not fit the cache drops its item as 'overlong'."""
+        from specheads.runtime.chat import seed_for
+        from specheads.runtime.generate import Request, generate_continuous
+
+        def advance(it, flow, send):
+            """The item's next request, or None (and ``on_item``) when it is complete."""
+            try:
+                prompt, max_new, stops, step = send()
+            except StopIteration:
+                on_item(it)
+                return None
+            if len(prompt) + max_new + 1 > self.engine.max_seq:
+                it.reason = "overlong"
+                flow.close()
+                on_item(it)
+                return None
+            return Request(prompt, max_new, seed=seed_for(it.id, self.seed, step), stop_token_ids=stops,
+                           tag=(it, flow))
+
+        def requests():
+            for it in items:
+                flow = self._flow(it)
+                r = advance(it, flow, lambda: next(flow))
+                if r is not None:
+                    yield r
+
+        def on_finish(req, tokens, why):
+            self.tokens += len(tokens)
+            it, flow = req.tag
+            return advance(it, flow, lambda: flow.send((tokens, why)))
+
+        g = self.cfg
+        generate_continuous(self.engine, requests(), on_finish, temperature=g.temperature, top_k=g.top_k,
+                            top_p=g.top_p, use_cuda_graphs=self.engine.device.type == "cuda")
 
 
 def _max_seq(cfg, prefix_len: int, user_documents: bool, limit: int) -> int:
@@ -586,33 +603,47 @@ def run_synthesize(recipe, target=None) -> dict:
     bar = tqdm(total=cfg.num_prompts, initial=min(already, cfg.num_prompts), desc="synthesize", unit="prompt",
                smoothing=0)
     t0, index, new_dropped = time.time(), 0, 0
+    pending: deque[Item] = deque()  # items handed to the writer, in index order, not judged yet
+    complete: set[int] = set()
+
+    def items():
+        nonlocal index
+        while len(kept) < cfg.num_prompts and index < max_index:
+            if item_id(recipe.seed, index) not in done:
+                it = plan_item(index, recipe.seed, seeds, cfg, documents)
+                pending.append(it)
+                yield it
+            index += 1
+
+    def judge(finished: Item) -> None:
+        """Judge the complete items at the head of ``pending`` in index order, so a near duplicate is
+        always the later item whatever finished first, and append them (fsynced)."""
+        nonlocal new_dropped
+        complete.add(finished.index)
+        keep, drop = [], []
+        while pending and pending[0].index in complete:
+            it = pending.popleft()
+            complete.discard(it.index)
+            if len(kept) + len(keep) >= cfg.num_prompts:
+                continue  # items past the last one needed stay unrecorded (a larger num_prompts takes them)
+            if it.reason is None:
+                it.reason = dedup.admit(it.id, dedup_text(it.turns))
+            (drop if it.reason else keep).append(it)
+        if keep:
+            append_rows(f_out, out, [it.row() for it in keep], SynthesizeError, f"{len(kept)} prompts")
+        if drop:
+            append_rows(f_drop, drop_out, [it.dropped_row() for it in drop], SynthesizeError,
+                        f"{len(kept) + len(keep)} prompts")
+        kept.extend(it.row() for it in keep)
+        dropped.extend(it.dropped_row() for it in drop)
+        new_dropped += len(drop)
+        if keep or drop:
+            bar.update(len(keep))
+            bar.set_postfix(dropped=new_dropped, tok_s=f"{writer.tokens / max(1e-9, time.time() - t0):.0f}")
+
     with open(out, "a", encoding="utf-8") as f_out, open(drop_out, "a", encoding="utf-8") as f_drop:
         try:
-            while len(kept) < cfg.num_prompts and index < max_index:
-                batch = []
-                while len(batch) < cfg.batch_size and index < max_index:
-                    if item_id(recipe.seed, index) not in done:
-                        batch.append(plan_item(index, recipe.seed, seeds, cfg, documents))
-                    index += 1
-                if not batch:
-                    break
-                writer.run(batch)
-                # judged in index order, so a near duplicate is always the later item, whatever the batching
-                keep, drop = [], []
-                for it in batch:
-                    if len(kept) + len(keep) >= cfg.num_prompts:
-                        break  # items past the last one needed stay unrecorded (a larger num_prompts takes them)
-                    if it.reason is None:
-                        it.reason = dedup.admit(it.id, dedup_text(it.turns))
-                    (drop if it.reason else keep).append(it)
-                append_rows(f_out, out, [it.row() for it in keep], SynthesizeError, f"{len(kept)} prompts")
-                append_rows(f_drop, drop_out, [it.dropped_row() for it in drop], SynthesizeError,
-                            f"{len(kept) + len(keep)} prompts")
-                kept += [it.row() for it in keep]
-                dropped += [it.dropped_row() for it in drop]
-                new_dropped += len(drop)
-                bar.update(len(keep))
-                bar.set_postfix(dropped=new_dropped, tok_s=f"{writer.tokens / max(1e-9, time.time() - t0):.0f}")
+            writer.run(items(), judge)
         finally:
             bar.close()
     elapsed = time.time() - t0

@@ -1,4 +1,4 @@
-"""Turn-by-turn chat generation over many conversations, in batches.
+"""Turn-by-turn chat generation over many conversations.
 
 Shared by ``specheads eval`` and ``specheads data regenerate``: each
 conversation's user turns are answered in order, and the target's own
@@ -6,6 +6,13 @@ earlier answers are fed back (as a server would see them). Every request
 gets its own seed derived from its id, so a conversation's output does not
 depend on which batch it landed in — that is what makes regeneration
 resumable and deterministic.
+
+Two schedules: fixed batches (every turn of a batch waits for its longest
+answer; eval measures drafting this way) and, with ``continuous=True`` and
+no drafter, continuous batching (``generate_continuous``): a finished
+answer's slot takes the next prompt at once, and a conversation's next turn
+is queued, whole conversation so far, ahead of the conversations not yet
+started.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from .generate import generate
+from .generate import Request, generate, generate_continuous
 from .metrics import StepRecord
 
 
@@ -44,14 +51,24 @@ def chat_generate(engine, tokenizer, conversations: list[dict], *, max_new_token
                   drafter=None, k: int = 3, tree=None, rule: str = "greedy", temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, thresholds=(1.0, 1.0), seed: int = 0,
                   max_prompt_tokens: int | None = None, use_cuda_graphs: bool = False,
-                  on_done=None, progress=None) -> tuple[list[ChatResult], float]:
-    """Answer every user turn of every conversation; returns (results, wall seconds in generate).
+                  on_done=None, progress=None, continuous: bool = False,
+                  sync_every: int = 8) -> tuple[list[ChatResult], float]:
+    """Answer every user turn of every conversation; returns (results in input order, wall
+    seconds in generation).
 
     ``conversations``: ``{"id", "turns": [str], "category", "system"?}``. ``on_done(result)``
     is called as each conversation completes (regeneration writes it out at once).
     Conversations whose rendered prompt exceeds ``max_prompt_tokens`` get ``finish_reasons
-    == ["skipped:overlong"]`` and no answer.
+    == ["skipped:overlong"]`` and no answer. ``continuous``: continuous batching over
+    ``batch_size`` slots, finished rows looked for every ``sync_every`` steps; it decodes
+    plainly, so with a drafter the fixed batches run instead. Its results carry no per-step
+    records (plain decoding emits one token per forward).
     """
+    if continuous and drafter is None:
+        return _chat_continuous(engine, tokenizer, conversations, max_new_tokens=max_new_tokens,
+                                batch_size=batch_size, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                max_prompt_tokens=max_prompt_tokens, use_cuda_graphs=use_cuda_graphs,
+                                on_done=on_done, progress=progress, sync_every=sync_every)
     results: list[ChatResult] = []
     gen_seconds = 0.0
     for start in range(0, len(conversations), batch_size):
@@ -95,6 +112,59 @@ def chat_generate(engine, tokenizer, conversations: list[dict], *, max_new_token
             if on_done is not None:
                 on_done(s)
     return results, gen_seconds
+
+
+def _conversation(c: dict, state: ChatResult, tokenizer, eos, max_prompt_tokens):
+    """One conversation's turns: yields each turn's prompt ids (and turn index), receives the
+    answer's (tokens, finish reason). Returns early when a prompt is overlong."""
+    for turn, text in enumerate(c["turns"]):
+        state.messages.append({"role": "user", "content": text})
+        ids = render_prompt(tokenizer, state.messages)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            state.finish_reasons = ["skipped:overlong"]
+            return
+        state.prompt_tokens.append(ids)
+        toks, why = yield ids, turn
+        state.answer_tokens.append(toks)
+        state.finish_reasons.append(why)
+        text = tokenizer.decode(_strip_stop(toks, eos), skip_special_tokens=True)
+        state.messages.append({"role": "assistant", "content": text})
+
+
+def _chat_continuous(engine, tokenizer, conversations, *, max_new_tokens, batch_size, temperature, top_k, top_p,
+                     seed, max_prompt_tokens, use_cuda_graphs, on_done, progress, sync_every):
+    states = []
+    for c in conversations:
+        msgs = [{"role": "system", "content": c["system"]}] if c.get("system") else []
+        states.append(ChatResult(id=str(c["id"]), category=c.get("category"), messages=msgs))
+    eos = engine.args.eos_token_ids
+
+    def request(i, flow, step):
+        """The conversation's next turn as a request, or None (and on_done) when it is over."""
+        try:
+            ids, turn = step()
+        except StopIteration:
+            if on_done is not None:
+                on_done(states[i])
+            return None
+        return Request(ids, max_new_tokens, seed=seed_for(states[i].id, seed, turn), tag=(i, flow))
+
+    def first_turns():
+        for i, c in enumerate(conversations):
+            flow = _conversation(c, states[i], tokenizer, eos, max_prompt_tokens)
+            r = request(i, flow, lambda: next(flow))
+            if r is not None:
+                yield r
+
+    def on_finish(req, tokens, why):
+        if progress is not None:
+            progress(len(tokens))
+        i, flow = req.tag
+        return request(i, flow, lambda: flow.send((tokens, why)))
+
+    stats = generate_continuous(engine, first_turns(), on_finish, batch_size=batch_size, temperature=temperature,
+                                top_k=top_k, top_p=top_p, use_cuda_graphs=use_cuda_graphs, sync_every=sync_every)
+    return states, stats["seconds"]
 
 
 def _skipped(s: ChatResult) -> bool:

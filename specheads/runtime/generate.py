@@ -32,6 +32,11 @@ cannot be captured runs eagerly (``GenerateResult.graph_stats['failed']``) - nev
 result. Drafters that read the host view (``ctx.histories``) run eagerly with one sync per
 step, with the target forward in the engine's per-forward graphs.
 
+Continuous batching (``generate_continuous``, ``ContinuousGeneration``; plain decoding only):
+the same step over a fixed set of slots, with a finished row's slot refilled by the next
+request (a prefill of just the new prompts into their cache rows) between steps, so the step's
+graphs stay valid. Data generation (regenerate, synthesize) runs this way.
+
 Randomness: request b's generator draws, for every step s (s = 0 is the prefill's token),
 ``2 * (1 + K)`` uniforms (accept, sample) and k more for sampled drafts, in chunks of
 ``UNIFORM_CHUNK`` steps copied to the device at once; a request's draws do not depend on
@@ -42,7 +47,10 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -207,8 +215,8 @@ class _Workspace:
         self.prompt_len = torch.zeros(B, dtype=L, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
         self.stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.max_new = torch.zeros((), dtype=L, device=dev)
-        self.stops = torch.full((NS,), -1, dtype=L, device=dev)
+        self.max_new = torch.zeros(B, dtype=L, device=dev)
+        self.stops = torch.full((B, NS), -1, dtype=L, device=dev)  # per row: continuous batching mixes requests
         self.step = torch.zeros(1, dtype=L, device=dev)            # decode step index
         self.temperature = torch.zeros((), dtype=torch.float32, device=dev)
         self.top_k = torch.zeros((), dtype=L, device=dev)
@@ -233,19 +241,26 @@ class Generation:
                  temperature=0.0, top_k=0, top_p=1.0, thresholds=(1.0, 1.0), seed=0, stop_token_ids=None,
                  use_cuda_graphs=False):
         _check(model, prompts, max_new_tokens, drafter, k, tree, rule, temperature, top_k, top_p, thresholds)
-        self.model, self.prompts, self.max_new_tokens = model, [list(p) for p in prompts], max_new_tokens
-        self.drafter, self.k, self.rule = drafter, k, rule
-        self.tree = tree if drafter is not None else None
-        self.thresholds = tuple(float(t) for t in thresholds)
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.dev = dev = model.device
-        self.B = B = len(prompts)
+        self.prompts, self.max_new_tokens = [list(p) for p in prompts], max_new_tokens
+        B = len(prompts)
         self.stop_ids = sorted(set(int(t) for t in (model.args.eos_token_ids if stop_token_ids is None
                                                      else stop_token_ids)))
         seeds = [seed + i for i in range(B)] if isinstance(seed, int) else list(seed)
         if len(seeds) != B:
             raise ValueError("seed list must have one seed per prompt")
-        self.gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self._setup(model, B, drafter, k, tree, rule, temperature, top_k, top_p, thresholds, use_cuda_graphs,
+                    [torch.Generator().manual_seed(int(s)) for s in seeds], records=_pow2(max_new_tokens + 2, 8),
+                    max_stops=_pow2(len(self.stop_ids), 8), histories=self.prompts)
+
+    def _setup(self, model, B, drafter, k, tree, rule, temperature, top_k, top_p, thresholds, use_cuda_graphs, gens,
+               records, max_stops, histories):
+        """Everything but the requests: the step's shape, the workspace, the drafter's context."""
+        self.model, self.B, self.gens = model, B, gens
+        self.drafter, self.k, self.rule = drafter, k, rule
+        self.tree = tree if drafter is not None else None
+        self.thresholds = tuple(float(t) for t in thresholds)
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.dev = dev = model.device
         self.use_graphs = use_cuda_graphs and dev.type == "cuda"
         self.sampling = temperature > 0
         tr = self.tree
@@ -258,8 +273,7 @@ class Generation:
         self.reach = max(self.K + 1, draft_slots + 1, width)       # slots past a row's cache a step may touch
         self.aux_ids = tuple(getattr(drafter, "aux_layer_ids", ()) or ()) if drafter is not None else ()
         self.need_final = bool(getattr(drafter, "needs_final", False)) if drafter is not None else False
-        R = _pow2(max_new_tokens + 2, 8)
-        key = (B, self.Wu, R, _pow2(len(self.stop_ids), 8))
+        key = (B, self.Wu, records, max_stops)
         ws = model.workspaces.get(key)
         if ws is None:
             ws = model.workspaces[key] = _Workspace(B, model.max_seq, self.Wu, *key[2:], dev)
@@ -271,7 +285,7 @@ class Generation:
         self.t, self.done = 0, False                              # decode steps launched; finished
         self._u = None
         # the host view of the histories, pulled from the device when a drafter reads it
-        self._hist_host = [list(p) for p in prompts]
+        self._hist_host = [list(p) for p in histories]
         self._active_host = [True] * B
         self._version = self._host_version = 0
         self.ctx = DraftContext(self._hist_host, self._active_host, dev, model.max_seq, model.args.vocab_size,
@@ -336,7 +350,7 @@ class Generation:
         ws.max_new.fill_(self.max_new_tokens)
         ws.stops.fill_(-1)
         if self.stop_ids:
-            ws.stops[:len(self.stop_ids)] = torch.tensor(self.stop_ids, device=dev)
+            ws.stops[:, :len(self.stop_ids)] = torch.tensor(self.stop_ids, device=dev)
         ws.temperature.fill_(float(self.temperature))
         ws.top_k.fill_(int(self.top_k))
         ws.top_p.fill_(float(self.top_p))
@@ -441,7 +455,7 @@ class Generation:
         act, n_acc, toks = d.active, v.num_accepted, v.tokens
         W = toks.shape[1]
         pos = torch.arange(W, device=dev)
-        is_stop = (toks[:, :, None] == ws.stops).any(-1) & (pos <= n_acc[:, None])
+        is_stop = (toks[:, :, None] == ws.stops[:, None, :]).any(-1) & (pos <= n_acc[:, None])
         any_stop = is_stop.any(1)
         first_stop = torch.where(any_stop, is_stop.long().argmax(1), W)
         room = ws.max_new - (ws.hist_len - ws.prompt_len)
@@ -587,6 +601,225 @@ class Generation:
                 steps[b] += 1
         return GenerateResult(tokens=tokens, finish_reasons=reasons, records=records, elapsed_s=elapsed_s,
                               prefill_s=prefill_s, target_forwards=forwards, graph_stats=dict(self.stats))
+
+
+# ---------------------------------------------------------------------------- continuous batching
+@dataclass
+class Request:
+    """One sequence for ``generate_continuous``. ``tag`` is the caller's (handed back with the result)."""
+    prompt: list[int]
+    max_new_tokens: int
+    seed: int = 0
+    stop_token_ids: Sequence[int] | None = None    # None: the target's EOS ids; (): never stop early
+    tag: Any = None
+
+
+MAX_STOP_IDS = 16             # stop ids one continuous request may have (the workspace's width)
+
+
+class ContinuousGeneration(Generation):
+    """Plain decoding (greedy, or sampled with the one-hot rule) over a stream of requests: a
+    row that finishes gives its cache slot to the next request at once instead of idling until
+    the longest row of its batch is done.
+
+    The decode step is ``Generation.step`` unchanged (so the same CUDA graph per shape); what
+    happens between steps: every ``sync_every`` steps (fewer when a row must hit its length cap
+    sooner) one host read finds the finished rows (``_harvest``); their tokens go to
+    ``on_finish``, and free slots are refilled (``_admit``): a batched prefill of just the new
+    prompts, written into the static cache at their slots (``TargetModel.forward(rows=...)``),
+    first token picked, workspace rows reset - while the other rows keep their state.
+
+    A request's output does not depend on its neighbours or slot: its prefill and decode rows
+    compute the same as alone, and its uniforms come from its own generator in its own order
+    (``_join_uniforms``)."""
+
+    def __init__(self, model: TargetModel, batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, use_cuda_graphs: bool = False, sync_every: int = 8,
+                 prefill_tokens: int = 32768):
+        B = batch_size or model.max_batch
+        if not 1 <= B <= model.max_batch:
+            raise ValueError(f"batch_size {B} must be in 1..engine max_batch {model.max_batch}")
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        rule = "onehot" if temperature > 0 else "greedy"
+        self._setup(model, B, None, 0, None, rule, temperature, top_k, top_p, (1.0, 1.0), use_cuda_graphs,
+                    [torch.Generator() for _ in range(B)], records=8, max_stops=MAX_STOP_IDS,
+                    histories=[[] for _ in range(B)])
+        self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
+        self.slot_req: list[Request | None] = [None] * B
+        self.stats.update(requests=0, tokens=0, steps=0, prefills=0, syncs=0)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def serve(self, requests: Iterable[Request], on_finish: Callable[[Request, list[int], str], Request | None]) -> None:
+        """Generate for every request of ``requests`` (pulled lazily, in order, as slots free up).
+        ``on_finish(request, tokens, reason)`` gets each result ("stop" | "length") as soon as it
+        is seen; the request it returns (a conversation's next turn) is served before the rest."""
+        self.source, self.on_finish, self.followups = iter(requests), on_finish, deque()
+        self._reset()
+        while True:
+            live, longest, room = self._harvest()
+            if self._admit():
+                continue                 # harvest again: a new row may have finished at its first token
+            if not live:
+                return
+            self._decode(min(self.sync_every, room), longest)
+
+    def _reset(self) -> None:
+        ws = self.ws
+        self.model.reset()
+        ws.hist.zero_()
+        ws.hist_len.fill_(1)             # an empty slot decodes token 0 and is never read
+        ws.prompt_len.zero_()
+        ws.active.zero_()
+        ws.stopped.zero_()
+        ws.max_new.zero_()
+        ws.stops.fill_(-1)
+        ws.step.zero_()
+        ws.rec.zero_()
+        ws.flag.zero_()
+        ws.temperature.fill_(float(self.temperature))
+        ws.top_k.fill_(int(self.top_k))
+        ws.top_p.fill_(float(self.top_p))
+        self.t = 0
+        self.capture = self.use_graphs    # no drafter: the step is graph safe
+
+    def _decode(self, n: int, longest: int) -> None:
+        """``n`` steps without reading anything back; ``longest`` = the longest cache row now."""
+        known_step = self.t - 1
+        for _ in range(n):
+            t = self.t
+            self.kv_len = self._bucket(longest + (t - known_step) * self.reach)
+            if self.Wu and (t + 1) % UNIFORM_CHUNK == 0:
+                self._refill()
+            self._launch()
+            self.t += 1
+        self.stats["steps"] += n
+
+    def _harvest(self) -> tuple[int, int, int]:
+        """One host read: hand finished rows to ``on_finish`` and free their slots. Returns the
+        live rows, their longest cache and the fewest steps until one must stop (length cap)."""
+        ws, B = self.ws, self.B
+        act, stopped, plen, hlen, clen, max_new = torch.stack([
+            ws.active.long(), ws.stopped.long(), ws.prompt_len, ws.hist_len, self.model.cache.lengths[:B],
+            ws.max_new]).tolist()
+        self.stats["syncs"] += 1
+        done = [b for b in range(B) if self.slot_req[b] is not None and not act[b]]
+        if done:
+            lo, hi = min(plen[b] for b in done), max(hlen[b] for b in done)
+            rows = ws.hist[torch.tensor(done, device=self.dev), lo:hi].tolist()
+            for b, row in zip(done, rows):
+                req, self.slot_req[b] = self.slot_req[b], None
+                tokens = row[plen[b] - lo:hlen[b] - lo]
+                self.stats["tokens"] += len(tokens)
+                nxt = self.on_finish(req, tokens, "stop" if stopped[b] else "length")
+                if nxt is not None:
+                    self.followups.append(nxt)
+        live = [b for b in range(B) if self.slot_req[b] is not None]
+        longest = max((clen[b] for b in live), default=0)
+        room = min((max_new[b] - (hlen[b] - plen[b]) for b in live), default=1)
+        return len(live), longest, max(1, room)
+
+    def _next(self) -> Request | None:
+        r = self.followups.popleft() if self.followups else next(self.source, None)
+        if r is None:
+            return None
+        stops = self.model.args.eos_token_ids if r.stop_token_ids is None else r.stop_token_ids
+        r.stop_token_ids = sorted(set(int(t) for t in stops))
+        if not r.prompt or r.max_new_tokens < 1:
+            raise ValueError("every request needs a prompt of at least one token and max_new_tokens >= 1")
+        if len(r.prompt) + r.max_new_tokens + 1 > self.model.max_seq:
+            raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} needs a cache "
+                             f"of {len(r.prompt) + r.max_new_tokens + 1} positions; the engine has "
+                             f"max_seq={self.model.max_seq}")
+        if len(r.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(r.stop_token_ids)} stop ids > {MAX_STOP_IDS}")
+        return r
+
+    def _admit(self) -> bool:
+        """Refill the free slots from the queue (follow-ups first); False when nothing came in."""
+        free = [b for b in range(self.B) if self.slot_req[b] is None]
+        new: list[Request] = []
+        while len(new) < len(free):
+            r = self._next()
+            if r is None:
+                break
+            new.append(r)
+        # prefill in groups of bounded padded size: a long prompt among short ones costs memory, not time
+        start = 0
+        while start < len(new):
+            end = start + 1
+            while end < len(new) and (end + 1 - start) * max(len(r.prompt) for r in new[start:end + 1]) \
+                    <= self.prefill_tokens:
+                end += 1
+            self._prefill(free[start:end], new[start:end])
+            start = end
+        return bool(new)
+
+    def _prefill(self, slots: list[int], reqs: list[Request]) -> None:
+        """The new prompts through the target into their cache slots (from position 0), their
+        first tokens, and their rows of the workspace reset; the other rows are untouched."""
+        m, dev, ws = self.model, self.dev, self.ws
+        rows = torch.tensor(slots, device=dev)
+        lens_l = [len(r.prompt) for r in reqs]
+        T = max(lens_l)
+        lens = torch.tensor(lens_l, device=dev)
+        ids = _left_aligned([r.prompt for r in reqs], T).to(dev)
+        m.cache.lengths[rows] = 0
+        out = m(ids, logits_index=(lens - 1)[:, None], kv_len=T, rows=rows)
+        m.cache.lengths[rows] = lens
+        for b, r in zip(slots, reqs):
+            self.gens[b] = torch.Generator().manual_seed(int(r.seed))
+            self.slot_req[b] = r
+        u0 = self._join_uniforms(slots) if self.Wu else None
+        first = self._pick(out.logits[:, 0], u0[:, self.n_draw] if u0 is not None else None)
+        max_new = torch.tensor([r.max_new_tokens for r in reqs], device=dev)
+        stops = torch.full((len(reqs), MAX_STOP_IDS), -1, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            stops[i, :len(r.stop_token_ids)] = torch.tensor(r.stop_token_ids, dtype=torch.long)
+        stops = stops.to(dev)
+        hit = (first[:, None] == stops).any(1)
+        ws.hist[rows, :T] = ids
+        ws.hist[rows, lens] = first
+        ws.prompt_len[rows] = lens
+        ws.hist_len[rows] = lens + 1
+        ws.max_new[rows] = max_new
+        ws.stops[rows] = stops
+        ws.stopped[rows] = hit
+        ws.active[rows] = ~hit & (max_new > 1)
+        self.stats["requests"] += len(reqs)
+        self.stats["prefills"] += 1
+
+    def _join_uniforms(self, slots: list[int]) -> torch.Tensor:
+        """Draws of the requests joining ``slots`` from their own generators: the first vector
+        (for the first token, returned [n, Wu]) and the rest of the current chunk, written to
+        the slots' columns. So a request's j-th decode step reads its j-th vector, as when it
+        runs alone, whichever step of the batch that is. (At a chunk boundary the next
+        ``_refill`` draws the chunk, already from the new generators.)"""
+        pos = (self.t + 1) % UNIFORM_CHUNK            # chunk row of the next step
+        rest = (UNIFORM_CHUNK - pos) % UNIFORM_CHUNK
+        u = torch.stack([torch.rand(1 + rest, self.Wu, generator=self.gens[b]) for b in slots], 1)  # [1+rest, n, Wu]
+        if rest:
+            self.ws.uchunk[pos:, torch.tensor(slots, device=self.dev)] = u[1:].to(self.dev)
+        return u[0].to(self.dev)
+
+
+@torch.no_grad()
+def generate_continuous(model: TargetModel, requests: Iterable[Request],
+                        on_finish: Callable[[Request, list[int], str], Request | None], *,
+                        batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                        use_cuda_graphs: bool = False, sync_every: int = 8) -> dict:
+    """Plain decoding with continuous batching (see ``ContinuousGeneration``); returns counts
+    (requests, tokens, steps, prefills, host syncs, graph replays) and ``seconds``.
+
+    Greedy outputs equal ``generate`` of each request alone; sampled ones (one-hot rule, the
+    request's ``seed``) too, up to the kernels' batch invariance."""
+    gen = ContinuousGeneration(model, batch_size, temperature, top_k, top_p, use_cuda_graphs, sync_every)
+    t0 = time.perf_counter()
+    gen.serve(requests, on_finish)
+    _sync(model.device)
+    return {**gen.stats, "seconds": time.perf_counter() - t0}
 
 
 _Generation = Generation

@@ -225,9 +225,10 @@ class Layer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
 
-    def forward(self, x, cos, sin_s, k_cache, v_cache, write_pos, mask, kv_len):
+    def forward(self, x, cos, sin_s, k_cache, v_cache, write_pos, mask, kv_len, rows=None):
         """x [B, T, H]; cos / sin_s [B, T, 1, D] in x's dtype (``signed_sin``); mask: additive
-        [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [B, KvH, slots, D]."""
+        [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [B, KvH, slots, D], or with
+        ``rows`` [B] the whole cache [max_batch, KvH, slots, D] and the cache row of each x row."""
         a = self.a
         B, T, _ = x.shape
         nh, nkv, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -241,10 +242,17 @@ class Layer(nn.Module):
         qk = apply_rope_fast(qk, cos, sin_s)                        # q and k in one pass
         k = qk[:, :, nh:].transpose(1, 2)                           # [B, KvH, T, D]
         v = qkv[:, :, nh + nkv:].transpose(1, 2)
-        idx = write_pos[:, None, :, None].expand(B, nkv, T, D)
-        k_cache.scatter_(2, idx, k)
-        v_cache.scatter_(2, idx, v)
-        o = grouped_attention(qk[:, :, :nh], k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], mask)
+        if rows is None:
+            idx = write_pos[:, None, :, None].expand(B, nkv, T, D)
+            k_cache.scatter_(2, idx, k)
+            v_cache.scatter_(2, idx, v)
+            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        else:                       # rows anywhere in the cache (refilled slots): write and read them by index
+            at = (rows[:, None], slice(None), write_pos)                # -> [B, T, KvH, D]
+            k_cache[at] = k.transpose(1, 2)
+            v_cache[at] = v.transpose(1, 2)
+            keys, values = k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
+        o = grouped_attention(qk[:, :, :nh], keys, values, mask)
         x = x + self.wo(o)
         h = rms_norm(x, self.post_norm, a.rms_norm_eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
@@ -386,18 +394,21 @@ class TargetModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 write_pos: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
                 aux_layer_ids=(), return_final: bool = False, logits_index: torch.Tensor | None = None,
-                kv_len: int | None = None, compute_logits: bool = True) -> ForwardOutput:
+                kv_len: int | None = None, compute_logits: bool = True,
+                rows: torch.Tensor | None = None) -> ForwardOutput:
         """input_ids [B, T]. positions/write_pos [B, T] default to lengths[:, None] + arange(T).
         attn_mask [B, T, T] bool among the new tokens (None = causal). logits_index [B, n]
         selects which of the T positions get logits (None = all). kv_len bounds the attended
         slots (None = the whole cache); it must exceed every write slot and is rounded up to a
-        multiple of 16. Nothing here reads a device value on the host (CUDA-graph safe).
+        multiple of 16. ``rows`` [B] (long, on the device): the cache rows the batch's rows are
+        (default: the first B) - continuous batching prefills refilled slots this way while the
+        other rows keep their cache. Nothing here reads a device value on the host (CUDA-graph safe).
         """
         B, T = input_ids.shape
         c = self.cache
         if B > c.max_batch:
             raise ValueError(f"batch {B} > cache max_batch {c.max_batch}")
-        lengths = c.lengths[:B]
+        lengths = c.lengths[:B] if rows is None else c.lengths[rows]
         ar = torch.arange(T, device=input_ids.device)
         if write_pos is None:
             write_pos = lengths[:, None] + ar
@@ -417,7 +428,10 @@ class TargetModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in want:
                 captured[i] = x
-            x = layer(x, cos, sin_s, c.k[i, :B], c.v[i, :B], write_pos, mask, kv_len)
+            if rows is None:
+                x = layer(x, cos, sin_s, c.k[i, :B], c.v[i, :B], write_pos, mask, kv_len)
+            else:
+                x = layer(x, cos, sin_s, c.k[i], c.v[i], write_pos, mask, kv_len, rows)
         final = rms_norm(x, self.norm, self.args.rms_norm_eps)
         captured[L] = final
         aux = torch.cat([captured[int(i)] for i in aux_layer_ids], -1) if len(aux_layer_ids) else None
