@@ -261,6 +261,10 @@ def load_checkpoint(engine, tag_dir: Path, rank: int, world_size: int, zero_stag
 
 def _barrier():
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.cuda.is_available():
+            # NCCL allocates outside PyTorch's cache: after a long batch the cache can hold the whole
+            # GPU, and the barrier's few bytes then fail ("Failed to CUDA calloc"); hand them back first
+            torch.cuda.empty_cache()
         torch.distributed.barrier()
 
 
