@@ -195,17 +195,19 @@ def test_no_vocab_mapping_for_full_vocab(interop):
     assert "d2t" not in interop["full_vocab_nbr_fp32"]["theirs"]
 
 
-def test_missing_embedding_is_random_not_the_verifiers(interop):
-    """speculators 0.9.0 does NOT take a missing ``embed_tokens.weight`` from the verifier: HF's loader
-    re-initialises the missing key (normal, std = initializer_range) over its NaN sentinel, so
-    ``load_verifier_weights`` sees no NaN and keeps the random values.  Hence the exporter always writes
-    the embedding, and ``validate.check`` rejects a speculators dir without one."""
+def test_missing_embedding_is_not_reliably_the_verifiers(interop):
+    """speculators 0.9.0 (transformers 5.19) does not reliably take a missing ``embed_tokens.weight`` from
+    the verifier: the loader leaves the key as uninitialised memory and ``load_verifier_weights`` copies the
+    verifier's only when that memory happens to hold a NaN.  Measured: values up to 1e23 on one run (logits
+    off by 7), rows close to the verifier's on another (logits off by 0.04) - whatever the allocator
+    reused.  Hence the exporter always writes the embedding, and ``validate.check`` rejects a speculators
+    dir without one."""
     from specheads.export import validate
 
     r = interop["no_embedding_fp32"]
     emb = r["theirs"]["embed_tokens"]
-    assert not torch.equal(emb, interop["_verifier"]["model.embed_tokens.weight"])
-    assert bool(emb.abs().max() > 0), "zero-filled (DESIGN.md's description) rather than random"
-    assert float((r["theirs"]["logits_0"] - r["ours"][0]).abs().max()) > 1.0
+    verifier = interop["_verifier"]["model.embed_tokens.weight"]
+    if not torch.equal(emb, verifier):  # kept the uninitialised memory: the model they run is not ours
+        assert not torch.equal(r["theirs"]["logits_0"], r["ours"][0])
     rep = validate.check(r["dir"], raise_on_error=False)
     assert not rep.ok and any("embed_tokens.weight" in e for e in rep.errors)

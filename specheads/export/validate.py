@@ -15,7 +15,8 @@ Reader rules encoded here (vLLM 0.32 ``llama_eagle3``/``llama_eagle`` +
   has no ``norm_before_residual`` and silently skips every name it does not
   know (missing and misnamed tensors both go unnoticed).
 - speculators 0.9.0 builds ``fc`` as ``3*hidden_size`` (3 aux layers, no
-  ``target_hidden_size``) and re-initialises a missing ``embed_tokens.weight`` at random (seen with speculators 0.9.0).
+  ``target_hidden_size``) and leaves a missing ``embed_tokens.weight`` as uninitialised memory
+  (it takes the verifier's only when that memory holds a NaN; seen with speculators 0.9.0).
 """
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype
     _compare_tensors(rep, str(d), found, expected, required, optional, "vLLM raises on unknown names", dtype)
     _check_vocab_map(rep, d, found, cfg)
     if "embed_tokens.weight" not in found:
-        msg = f"{d}: no 'embed_tokens.weight' (vLLM shares the target's; speculators 0.9.0 re-initialises it at random)"
+        msg = f"{d}: no 'embed_tokens.weight' (vLLM shares the target's; speculators 0.9.0 leaves it uninitialised)"
         (rep.errors if "speculators" in rep.readers else rep.warnings).append(msg)
     if "speculators" in rep.readers:
         if cfg.num_aux != 3 or cfg.target_hidden_size != cfg.hidden_size:
