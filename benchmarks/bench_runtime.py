@@ -4,6 +4,7 @@ at several batch sizes, on the real SmolLM2 weights (the bundled GGUF) by defaul
     python benchmarks/bench_runtime.py --device cuda --cuda-graphs --batches 1,8,48 --out runs/bench.json
     python benchmarks/bench_runtime.py --device cuda --cuda-graphs --head runs/x/export/speculators --profile
     python benchmarks/bench_runtime.py --device cpu --batches 1 --new-tokens 16
+    python benchmarks/bench_runtime.py --device cuda --cuda-graphs --engines eager,compiled --head DIR
 
 Drafters: ``plain`` (no drafting), ``ngram`` (the device proposer on CUDA, the host reference
 on a CPU), ``head`` (``--head DIR``: an exported head, any format) and ``hybrid`` (head +
@@ -11,7 +12,8 @@ n-gram, ``--min-match``). Greedy, a fixed number of new tokens (no early stop), 
 prompts for every drafter; each run is done once untimed (captures the CUDA graphs of every
 shape it meets) and then timed. Per batch and drafter: τ (tokens per target forward, DESIGN.md),
 tokens/s, speedup (tokens/s ÷ plain tokens/s at the same batch) and speedup ÷ τ (1.0 = drafting
-is free). Prints a Markdown table; ``--out`` writes JSON and ``--plot`` (default: the JSON path
+is free). ``--engines eager,compiled`` times every row on both engines in one run; the last
+column is tokens/s over the first engine's plain decoding. Prints a Markdown table; ``--out`` writes JSON and ``--plot`` (default: the JSON path
 with .png) a plot of speedup against batch size per drafter.
 
 ``--profile``: a torch.profiler table of one plain and one drafted decode step at batch 1
@@ -179,15 +181,18 @@ def profile_steps(m, prompt, drafters, k, graphs, dev, steps=10):
 def markdown(res) -> str:
     lines = [f"### Decode speed, {res['target']}, {res['device']}, {res['dtype']}, graphs={res['cuda_graphs']}, "
              f"{res['new_tokens']} new tokens, greedy, k={res['k']}", "",
-             "| batch | drafter | τ | tok/s | plain tok/s | speedup | speedup ÷ τ |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "| engine | batch | drafter | τ | tok/s | plain tok/s | speedup | speedup ÷ τ | tok/s ÷ eager plain |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    eager_plain = {r["batch"]: r["tokens_per_s"] for r in res["rows"]
+                   if r["drafter"] == "plain" and r.get("engine", "eager") == res.get("engines", ["eager"])[0]}
     for r in res["rows"]:
-        lines.append(f"| {r['batch']} | {r['drafter']} | {r['tau']:.2f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {r['speedup_over_tau']:.2f} |")
+        lines.append(f"| {r.get('engine', 'eager')} | {r['batch']} | {r['drafter']} | {r['tau']:.2f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | "
+                     f"{r['speedup_over_tau']:.2f} | {r['tokens_per_s'] / eager_plain[r['batch']]:.2f}× |")
     if res.get("hf"):
         lines += ["", "| batch | HF generate tok/s | engine plain tok/s | engine ÷ HF |", "|---:|---:|---:|---:|"]
         for b, hf in res["hf"].items():
-            eng = next(r["tokens_per_s"] for r in res["rows"] if r["batch"] == int(b) and r["drafter"] == "plain")
+            eng = eager_plain[int(b)]
             lines.append(f"| {b} | {hf['tokens_per_s']:,.1f} | {eng:,.1f} | {eng / hf['tokens_per_s']:.1f}× |")
     return "\n".join(lines)
 
@@ -198,11 +203,17 @@ def plot(res, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    names = list(dict.fromkeys(r["drafter"] for r in res["rows"] if r["drafter"] != "plain"))
-    for name in names:
-        rows = [r for r in res["rows"] if r["drafter"] == name]
-        ax.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], marker="o", label=name)
-    ax.axhline(1.0, color="grey", lw=1, ls="--", label="plain")
+    # speedup over the first engine's plain decoding, so a compiled engine's own gain shows too
+    first = res.get("engines", ["eager"])[0]
+    plain = {r["batch"]: r["tokens_per_s"] for r in res["rows"] if r["drafter"] == "plain"
+             and r.get("engine", "eager") == first}
+    names = list(dict.fromkeys((r.get("engine", "eager"), r["drafter"]) for r in res["rows"]
+                               if not (r["drafter"] == "plain" and r.get("engine", "eager") == first)))
+    for eng, name in names:
+        rows = [r for r in res["rows"] if r["drafter"] == name and r.get("engine", "eager") == eng]
+        ax.plot([r["batch"] for r in rows], [r["tokens_per_s"] / plain[r["batch"]] for r in rows], marker="o",
+                label=name if len(res.get("engines", ["eager"])) == 1 else f"{name}, {eng}")
+    ax.axhline(1.0, color="grey", lw=1, ls="--", label=f"plain, {first}")
     ax.set_xscale("log", base=2)
     batches = sorted({r["batch"] for r in res["rows"]})
     ax.set_xticks(batches)
@@ -230,6 +241,9 @@ def main(argv=None):
     ap.add_argument("--min-match", type=int, default=3, help="hybrid: shortest n-gram match that wins over the head")
     ap.add_argument("--drafters", default=",".join(DRAFTERS),
                     help=f"comma list of {DRAFTERS} (head/hybrid need --head)")
+    ap.add_argument("--engines", default="eager",
+                    help="comma list of eager,compiled: compiled = torch.compile'd engine layers and head "
+                         "steps (TargetModel.compile_layers, HeadDrafter.compile), timed in the same run")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per row (the fastest counts)")
     ap.add_argument("--hf", action="store_true", help="also time Hugging Face generate (plain)")
     ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at batch 1")
@@ -257,45 +271,62 @@ def main(argv=None):
         prompts = prompts_for(tgt.tokenizer, max(batches))
         target_name = getattr(tgt, "name", a.target)
     max_seq = max(len(p) for p in prompts) + a.new_tokens + a.k + 64
-    m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
+    engine_names = [e.strip() for e in a.engines.split(",") if e.strip()]
+    if not engine_names or set(engine_names) - {"eager", "compiled"}:
+        ap.error(f"--engines: a comma list of eager,compiled; got {a.engines!r}")
     graphs = a.cuda_graphs and dev.type == "cuda"
-    head = load_head(a.head, tgt, m) if a.head else None
-    drafters = []                                            # (name, factory): a fresh drafter per batch
-    for name in wanted:
-        if name == "ngram":
-            drafters.append(("ngram", lambda: NGramDrafter()))        # 1..4, the eval default
-        elif name in ("head", "hybrid") and head is not None:
-            if name == "head":
-                drafters.append((f"head ({head.cfg.kind})", lambda: head))
-            else:
-                drafters.append((f"hybrid (min_match {a.min_match})",
-                                 lambda: make_drafter("hybrid", head, min_match=a.min_match)))
+    engines = {}                                  # name -> (engine, [(drafter name, factory)])
+    for eng in engine_names:
+        m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
+        head = load_head(a.head, tgt, m) if a.head else None
+        if eng == "compiled":
+            m.compile_layers()
+            head = head.compile() if head is not None else None
+        drafters = []                                            # (name, factory): a fresh drafter per batch
+        for name in wanted:
+            if name == "ngram":
+                drafters.append(("ngram", lambda: NGramDrafter()))        # 1..4, the eval default
+            elif name in ("head", "hybrid") and head is not None:
+                if name == "head":
+                    drafters.append((f"head ({head.cfg.kind})", lambda h=head: h))
+                else:
+                    drafters.append((f"hybrid (min_match {a.min_match})",
+                                     lambda h=head: make_drafter("hybrid", h, min_match=a.min_match)))
+        engines[eng] = (m, drafters)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,
-           "min_match": a.min_match, "torch": torch.__version__, "rows": [], "hf": {}}
+           "min_match": a.min_match, "torch": torch.__version__, "engines": engine_names, "rows": [], "hf": {}}
 
     if not a.profile_only:
-        for B in batches:
-            base = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs)
-            rows = [("plain", base)]
-            for name, make in drafters:
-                r = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, drafter=make(), k=a.k, use_cuda_graphs=graphs)
-                r["lossless"] = r["outputs"] == base["outputs"]
-                rows.append((name, r))
-            for name, r in rows:
-                sp = r["tokens_per_s"] / base["tokens_per_s"]
-                res["rows"].append({"batch": B, "drafter": name, "plain_tokens_per_s": base["tokens_per_s"],
-                                    "speedup": sp, "speedup_over_tau": sp / r["tau"],
-                                    **{k: v for k, v in r.items() if k != "outputs"}})
-            if a.hf:
-                res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
-            print(f"batch {B} done", flush=True)
+        reference = {}                            # batch -> the first engine's plain outputs
+        for eng, (m, drafters) in engines.items():
+            for B in batches:
+                t0 = time.perf_counter()
+                base = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs)
+                base["lossless"] = base["outputs"] == reference.setdefault(B, base["outputs"])
+                rows = [("plain", base)]
+                for name, make in drafters:
+                    r = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, drafter=make(), k=a.k,
+                                     use_cuda_graphs=graphs)
+                    r["lossless"] = r["outputs"] == base["outputs"]
+                    rows.append((name, r))
+                for name, r in rows:
+                    sp = r["tokens_per_s"] / base["tokens_per_s"]
+                    res["rows"].append({"engine": eng, "batch": B, "drafter": name,
+                                        "plain_tokens_per_s": base["tokens_per_s"],
+                                        "speedup": sp, "speedup_over_tau": sp / r["tau"],
+                                        **{k: v for k, v in r.items() if k != "outputs"}})
+                if a.hf and eng == engine_names[0]:
+                    res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
+                print(f"{eng} engine, batch {B} done ({time.perf_counter() - t0:.0f} s with warm-up and "
+                      f"compilation)", flush=True)
         print()
         print(markdown(res))
-        lossy = [(r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
-        print(f"\ngreedy outputs identical to plain decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
+        lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
+        print(f"\ngreedy outputs identical to plain (eager) decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
 
     if a.profile or a.profile_only:
+        m, drafters = engines[engine_names[0]]
         chosen = [("plain", None)]
         for name, make in drafters[::-1]:                   # the last requested drafter (hybrid > head > ngram)
             chosen.append((name, make()))

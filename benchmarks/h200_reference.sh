@@ -57,8 +57,9 @@ print(s['final']['train_dir'], s['best_lr'])")
     LIMIT=150 stage eval_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
       eval.limit=$VL eval.tree=4,4,16 eval.out=$RUN/eval_tree eval.compare=[]
   fi
-  LIMIT=240 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
-    --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --out "$OUT/bench_runtime.json"
+  LIMIT=480 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
+    --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines eager,compiled \
+    --out "$OUT/bench_runtime.json"
 }
 LIMIT=120 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
   --smollm2-shapes $SHAPES --steps 5 --out "$OUT/bench_train.json"

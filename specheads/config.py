@@ -210,6 +210,7 @@ class EvalConfig(_Section):
     hybrid_min_match: int = Field(3, ge=1)  # shortest n-gram match that wins over the head
     chi_square_draws: int = 0
     engine: Literal["specheads", "vllm"] = "specheads"  # vllm: the same prompts in real vLLM, side by side
+    compile: bool = False  # torch.compile the engine's layers and the head's step (faster decode; compiles first)
     out: str | None = None  # default: {run_dir}/eval
 
     @field_validator("k")

@@ -126,14 +126,15 @@ def load_eval_prompts(recipe) -> tuple[list[dict], str]:
     return items, str(path)
 
 
-def build_drafter(spec: RunSpec, target, dtype, device, min_match: int = 3):
+def build_drafter(spec: RunSpec, target, dtype, device, min_match: int = 3, compile: bool = False):
     """The runtime drafter of a run: n-gram, or a head directory made whole for (and checked against)
-    the target, alone or in a hybrid with n-gram."""
+    the target, alone or in a hybrid with n-gram (its head step torch.compile'd with ``compile``)."""
     if spec.drafter == "ngram":
         return make_drafter("ngram")
     head, _meta = load_head_for(spec.drafter, target)
-    return make_drafter("hybrid" if spec.hybrid else "head", head.to(device=device, dtype=dtype).eval(),
-                        name=spec.drafter, target_vocab_size=target.vocab_size, min_match=min_match)
+    d = make_drafter("hybrid" if spec.hybrid else "head", head.to(device=device, dtype=dtype).eval(),
+                     name=spec.drafter, target_vocab_size=target.vocab_size, min_match=min_match)
+    return d.compile() if compile else d
 
 
 # --- the evaluation ------------------------------------------------------------------------
@@ -146,7 +147,8 @@ def _engine_for(target, prompts: list[dict], e) -> TargetModel:
                   * (e.max_new_tokens + 40) for it in prompts)
     max_pos = int(getattr(target.config, "max_position_embeddings", 4096) or 4096)
     batch = max(e.batch_size, min(64, e.chi_square_draws) if e.chi_square_draws else 1)
-    return TargetModel.from_hf(target.model, max_batch=batch, max_seq=min(max_pos, longest + 64))
+    engine = TargetModel.from_hf(target.model, max_batch=batch, max_seq=min(max_pos, longest + 64))
+    return engine.compile_layers() if e.compile else engine
 
 
 def _per_category(results) -> dict:
@@ -203,7 +205,7 @@ def run_eval(recipe, target=None) -> dict:
     for spec in specs:
         key = (spec.drafter, spec.hybrid)
         if key not in drafters:
-            drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match)
+            drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match, e.compile)
         drafter = drafters[key]
         with _Progress(n_tokens, spec.name) as cb:
             res, secs = chat_generate(engine, tok, prompts, drafter=drafter, k=spec.k, tree=spec.tree_config(),
@@ -236,7 +238,7 @@ def run_eval(recipe, target=None) -> dict:
                     "per_category": dict(sorted(Counter(p.get("category") or "uncategorised" for p in prompts).items()))},
         "settings": {"max_new_tokens": e.max_new_tokens, "batch_size": e.batch_size, "temperature": e.temperature,
                      "top_k": e.top_k, "top_p": e.top_p, "device": str(engine.device), "dtype": str(engine.dtype),
-                     "cuda_graphs": cuda_graphs, "seed": recipe.seed},
+                     "cuda_graphs": cuda_graphs, "compiled": e.compile, "seed": recipe.seed},
         "baseline": baseline,
         "runs": runs,
         "notes": [],

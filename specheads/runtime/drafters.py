@@ -283,10 +283,12 @@ class DraftCache:
 
     def attend(self, layer_idx, q, k, v, attention_mask=None, attn_module=None):
         B, KvH, T, D = k.shape
-        idx = self.write_pos[:, None, :, None].expand(B, KvH, T, D)
+        # index_put_, not scatter_: under torch.compile a scatter into the cache copies all of it
+        idx = (torch.arange(B, device=k.device)[:, None, None], torch.arange(KvH, device=k.device)[None, :, None],
+               self.write_pos[:, None, :])
         K, V = self.k[layer_idx], self.v[layer_idx]
-        K.scatter_(2, idx, k.to(K.dtype))
-        V.scatter_(2, idx, v.to(V.dtype))
+        K.index_put_(idx, k.to(K.dtype))
+        V.index_put_(idx, v.to(V.dtype))
         scale = getattr(attn_module, "scale", None)
         return F.scaled_dot_product_attention(
             q, K[:, :, :self.kv_len].to(q.dtype), V[:, :, :self.kv_len].to(q.dtype),
@@ -346,6 +348,14 @@ class HeadDrafter(Drafter):
         self.state: _HeadState | None = None
         self.cache: DraftCache | None = None
         self.ctx: DraftContext | None = None
+        self._forward = self.head.forward_step
+
+    def compile(self, **compile_kwargs) -> "HeadDrafter":
+        """Run the head's step through ``torch.compile`` (the head module itself is untouched):
+        a draft step is a few hundred small kernels eagerly, and drafting k of them per target
+        forward is what makes a head's speedup fall short of its tau (issue 14)."""
+        self._forward = torch.compile(self.head.forward_step, **compile_kwargs)
+        return self
 
     # -- vocabulary checks (before generation)
     def vocab_problems(self, target_vocab: int | None = None) -> list[str]:
@@ -394,8 +404,7 @@ class HeadDrafter(Drafter):
         self.cache.prepare(write_pos, mask, kv_len)
         p = next(self.head.parameters())
         kw = {"depth": step % max(1, self.cfg.num_mtp_depths)} if self.kind == "mtp" else {}
-        return self.head.forward_step(ids, hidden.to(p.dtype), positions, attention_mask=None,
-                                      kv_cache=self.cache, **kw)
+        return self._forward(ids, hidden.to(p.dtype), positions, attention_mask=None, kv_cache=self.cache, **kw)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.draft_vocab_size == self.cfg.target_vocab_size:
@@ -564,6 +573,11 @@ class HybridDrafter(Drafter):
     @property
     def graph_safe(self) -> bool:
         return bool(getattr(self.head, "graph_safe", False) and getattr(self.ngram, "graph_safe", False))
+
+    def compile(self, **compile_kwargs) -> "HybridDrafter":
+        if hasattr(self.head, "compile"):
+            self.head.compile(**compile_kwargs)
+        return self
 
     def check_target(self, vocab_size: int) -> None:
         self.head.check_target(vocab_size)

@@ -225,10 +225,15 @@ class Layer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
 
-    def forward(self, x, cos, sin_s, k_cache, v_cache, write_pos, mask, kv_len, rows=None):
+    def forward(self, x, cos, sin_s, k_cache, v_cache, cache_index, mask, kv_len, rows=None):
         """x [B, T, H]; cos / sin_s [B, T, 1, D] in x's dtype (``signed_sin``); mask: additive
-        [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [B, KvH, slots, D], or with
-        ``rows`` [B] the whole cache [max_batch, KvH, slots, D] and the cache row of each x row."""
+        [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [max_batch, KvH, slots, D];
+        ``cache_index`` (``TargetModel.cache_index``) where the T new K/V go; ``rows`` [B] the
+        cache row of each x row (None: the first B rows).
+
+        The K/V write is one ``index_put_`` (not ``scatter_``): torch.compile keeps it in place
+        and fuses it with RoPE, where a scatter into a graph input costs a copy of the whole
+        layer cache per call."""
         a = self.a
         B, T, _ = x.shape
         nh, nkv, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -242,15 +247,11 @@ class Layer(nn.Module):
         qk = apply_rope_fast(qk, cos, sin_s)                        # q and k in one pass
         k = qk[:, :, nh:].transpose(1, 2)                           # [B, KvH, T, D]
         v = qkv[:, :, nh + nkv:].transpose(1, 2)
+        k_cache.index_put_(cache_index, k)
+        v_cache.index_put_(cache_index, v)
         if rows is None:
-            idx = write_pos[:, None, :, None].expand(B, nkv, T, D)
-            k_cache.scatter_(2, idx, k)
-            v_cache.scatter_(2, idx, v)
-            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-        else:                       # rows anywhere in the cache (refilled slots): write and read them by index
-            at = (rows[:, None], slice(None), write_pos)                # -> [B, T, KvH, D]
-            k_cache[at] = k.transpose(1, 2)
-            v_cache[at] = v.transpose(1, 2)
+            keys, values = k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len]
+        else:                       # rows anywhere in the cache (refilled slots): read them by index
             keys, values = k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
         o = grouped_attention(qk[:, :, :nh], keys, values, mask)
         x = x + self.wo(o)
@@ -275,6 +276,7 @@ class TargetModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
         self.rope_scale = float(rope_scale)
         self.cache: KVCache | None = None
+        self.compiled = False
         self._graphs = None
         self.workspaces: dict = {}       # generate's per-shape device state and step graphs
         self._graph_pool = None
@@ -389,6 +391,28 @@ class TargetModel(nn.Module):
     def compact(self, src_slots: torch.Tensor, dst_start: torch.Tensor) -> None:
         self.cache.compact(src_slots, dst_start)
 
+    def cache_index(self, rows: torch.Tensor | None, B: int, write_pos: torch.Tensor) -> tuple:
+        """The index of ``Layer``'s ``cache.index_put_``: K/V [B, KvH, T, D] of batch row b go to
+        cache row ``rows[b]`` (default b), slots ``write_pos[b]``."""
+        dev = write_pos.device
+        r = torch.arange(B, device=dev) if rows is None else rows
+        heads = torch.arange(self.args.num_kv_heads, device=dev)
+        return r[:, None, None], heads[None, :, None], write_pos[:, None, :]
+
+    def compile_layers(self, **compile_kwargs) -> "TargetModel":
+        """``torch.compile`` each decoder layer (gpt-fast's lever for launch-bound decoding): Inductor
+        fuses RMSNorm, RoPE, the K/V write and the SwiGLU elementwise work into a few kernels. The
+        layers share one compiled graph per input shape (parameters are graph inputs), so 30 layers
+        cost one compilation; the first call of a new shape compiles (seconds), which is why
+        ``generate`` runs a new shape eagerly once before capturing it in a CUDA graph. Dynamic
+        shapes are dynamo's default (a dimension that changed between calls becomes symbolic), so
+        growing attention widths do not recompile forever. Outputs equal the eager layers' up to
+        floating-point reassociation (tests/test_runtime_compile.py)."""
+        for layer in self.layers:
+            layer.compile(**compile_kwargs)
+        self.compiled = True
+        return self
+
     # ---- forward ------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -423,15 +447,13 @@ class TargetModel(nn.Module):
         cos, sin_s = self.cos_t[positions][:, :, None], self.sin_t[positions][:, :, None]   # [B, T, 1, D]
         want = {int(i) for i in aux_layer_ids}
         L = self.args.num_layers
+        index = self.cache_index(rows, B, write_pos)
         captured = {}
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             if i in want:
                 captured[i] = x
-            if rows is None:
-                x = layer(x, cos, sin_s, c.k[i, :B], c.v[i, :B], write_pos, mask, kv_len)
-            else:
-                x = layer(x, cos, sin_s, c.k[i], c.v[i], write_pos, mask, kv_len, rows)
+            x = layer(x, cos, sin_s, c.k[i], c.v[i], index, mask, kv_len, rows)
         final = rms_norm(x, self.norm, self.args.rms_norm_eps)
         captured[L] = final
         aux = torch.cat([captured[int(i)] for i in aux_layer_ids], -1) if len(aux_layer_ids) else None

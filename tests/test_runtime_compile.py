@@ -1,0 +1,85 @@
+"""torch.compile'd engine layers and head steps (issue 14): same logits as eager, lossless decoding,
+one compiled graph shared by all layers, and the K/V cache written in place (no copy of it).
+
+Runs Inductor's CPU backend (a C++ compiler builds the kernels), so each new shape costs seconds;
+the CUDA path is measured by benchmarks/bench_runtime.py --compile on the H200."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_runtime import PROMPTS, _head, tiny
+from specheads.runtime import generate
+from specheads.runtime.drafters import Eagle3Drafter, HybridDrafter, NGramDrafter
+from specheads.runtime.model import TargetModel
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    torch._dynamo.reset()
+    hf = tiny("llama")
+    eager = TargetModel.from_hf(hf, max_batch=4, max_seq=160)
+    compiled = TargetModel.from_hf(hf, max_batch=4, max_seq=160).compile_layers()
+    return eager, compiled
+
+
+def test_compiled_forward_matches_eager(engines):
+    eager, compiled = engines
+    ids = torch.randint(0, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+    from torch._dynamo.utils import counters
+    counters.clear()
+    for m in (eager, compiled):
+        m.reset()
+    for n in (7, 1, 3, 1):
+        t = sum(m.cache.lengths[0].item() for m in (eager,))
+        a, b = eager(ids[:, t:t + n], aux_layer_ids=[1, 4]), compiled(ids[:, t:t + n], aux_layer_ids=[1, 4])
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.aux, a.aux, atol=1e-5, rtol=1e-5)
+        for m in (eager, compiled):
+            m.commit(n)
+    # the caches hold the same K/V: the in-place write reached the engine's own tensors
+    torch.testing.assert_close(compiled.cache.k, eager.cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled.cache.v, eager.cache.v, atol=1e-5, rtol=1e-5)
+    # four layers, several shapes: graphs are per shape (at most a static and a dynamic one), not per layer
+    assert counters["stats"]["unique_graphs"] <= 2 * 3
+    # continuous batching's path: rows anywhere in the cache
+    rows = torch.tensor([3, 1])
+    for m in (eager, compiled):
+        m.cache.lengths[rows] = 0
+    a = eager(ids[:2, :5], rows=rows)
+    b = compiled(ids[:2, :5], rows=rows)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled.cache.k[:, rows], eager.cache.k[:, rows], atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_kv_write_is_in_place(engines, tmp_path, monkeypatch):
+    """Inductor's code for a decode step writes K/V with an indexed store into the cache argument:
+    no buffer the size of the cache is allocated (a scatter_ into the cache did copy all of it)."""
+    _, compiled = engines
+    from torch._inductor.utils import run_and_get_code
+    compiled.reset()
+    compiled.commit(5)
+    slots = compiled.cache.slots
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(lambda: compiled(torch.tensor([[1], [2], [3], [4]])))
+    code = "\n".join(codes)
+    cache_shape = f"({compiled.max_batch}, {compiled.args.num_kv_heads}, {slots}, {compiled.args.head_dim})"
+    assert "index_put" in code
+    assert f"empty_strided_cpu({cache_shape}" not in code
+
+
+def test_compiled_decoding_is_lossless(engines):
+    eager, compiled = engines
+    plain = generate(eager, PROMPTS, 12, stop_token_ids=())
+    assert generate(compiled, PROMPTS, 12, stop_token_ids=()).tokens == plain.tokens
+    head = _head("eagle3", 48)
+    d = Eagle3Drafter(head).compile()
+    assert generate(compiled, PROMPTS, 12, drafter=d, k=3, stop_token_ids=()).tokens == plain.tokens
+    # the compiled head drafts what the eager head drafts
+    ref = generate(eager, PROMPTS, 12, drafter=Eagle3Drafter(head), k=3, stop_token_ids=())
+    got = generate(compiled, PROMPTS, 12, drafter=d, k=3, stop_token_ids=())
+    assert got.summary()["accepted"] == ref.summary()["accepted"]
+    hybrid = HybridDrafter(Eagle3Drafter(head), NGramDrafter()).compile()
+    assert generate(compiled, PROMPTS, 12, drafter=hybrid, k=3, stop_token_ids=()).tokens == plain.tokens
