@@ -175,9 +175,19 @@ class TrainConfig(_Section):
     eval_fraction: float = Field(0.02, ge=0.0, lt=1.0)
     resume: bool = False
     loss_kernel: Literal["auto", "triton", "torch"] = "auto"
+    # torch.compile the head's forward (TTT unroll / EAGLE-1 step / MTP depths): fuses its small
+    # kernels; the first batches of new shapes compile. Not with ZeRO-3 (its parameter hooks).
+    compile: bool = False
     num_workers: int = 0
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     out: str | None = None  # default: {run_dir}/train
+
+    @model_validator(mode="after")
+    def _compile_not_zero3(self):
+        if self.compile and self.zero_stage == 3:
+            raise ValueError("train.compile cannot be combined with train.zero_stage 3 (ZeRO-3 gathers parameters "
+                             "through module hooks that a compiled forward skips); use zero_stage <= 2 or compile: false")
+        return self
 
 
 class ExportConfig(_Section):

@@ -422,7 +422,8 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     K = cfg.num_mtp_depths if cfg.kind == "mtp" else (tcfg.ttt_steps if cfg.kind == "eagle3" else 1)
     weights = mtp_weights(recipe.head, cfg.num_mtp_depths, tcfg.loss_decay) if cfg.kind == "mtp" else None
     objective = Objective(built.head, cfg.kind, steps=tcfg.ttt_steps, decay=tcfg.loss_decay,
-                          eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel)
+                          eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel,
+                          compile=tcfg.compile)
     _, lm_w, lm_b = target_weights(target)
     target_logits = TargetLogits(lm_w, built.d2t if cfg.kind == "eagle3" else None, lm_b).to(device)
 

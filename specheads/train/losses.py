@@ -188,19 +188,21 @@ def eagle1_forward(head, input_ids, final, attention_mask):
     return head.forward_step(shift_left(input_ids, 1, 0), final, pos, mask)
 
 
-def eagle3_loss(head, batch: dict, tv: TargetView, steps: int, decay: float, backend: str = "auto") -> LossOutput:
+def eagle3_loss(head, batch: dict, tv: TargetView, steps: int, decay: float, backend: str = "auto",
+                forward=ttt_forward) -> LossOutput:
     aux = batch["aux"]
     aux = aux.to(head.fc.weight.dtype)
-    logits = ttt_forward(head, batch["input_ids"], aux, batch.get("attention_mask"), steps)
+    logits = forward(head, batch["input_ids"], aux, batch.get("attention_mask"), steps)
     return _combine([distill_step(lg, tv, batch["loss_mask"], k, batch.get("attention_mask"), backend)
                      for k, lg in enumerate(logits)], [decay ** k for k in range(len(logits))])
 
 
-def eagle1_loss(head, batch: dict, tv: TargetView, ce_weight: float, backend: str = "auto") -> LossOutput:
+def eagle1_loss(head, batch: dict, tv: TargetView, ce_weight: float, backend: str = "auto",
+                forward=eagle1_forward) -> LossOutput:
     """SmoothL1(f̂_{t+1}, final_{t+1}) + ce_weight · soft-CE(lm_head(f̂_{t+1}), lm_head(final_{t+1}))."""
     final = batch["final"].to(head.fc.weight.dtype)
     attn = batch.get("attention_mask")
-    logits, feat = eagle1_forward(head, batch["input_ids"], final, attn)
+    logits, feat = forward(head, batch["input_ids"], final, attn)
     tok = distill_step(logits, tv, batch["loss_mask"], 0, attn, backend)
     valid = counted_positions(batch["loss_mask"], tv.in_vocab, 0, attn)
     b, t = valid.nonzero(as_tuple=True)
@@ -213,9 +215,14 @@ def eagle1_loss(head, batch: dict, tv: TargetView, ce_weight: float, backend: st
                       {"feature_loss": vloss.detach(), "token_loss": tok.loss.detach()})
 
 
-def mtp_loss(head, batch: dict, tv: TargetView, weights: list[float], backend: str = "auto") -> LossOutput:
+def mtp_forward(head, input_ids, final, attention_mask):
+    return head.forward_train(input_ids, final, attention_mask)
+
+
+def mtp_loss(head, batch: dict, tv: TargetView, weights: list[float], backend: str = "auto",
+             forward=mtp_forward) -> LossOutput:
     final = batch["final"].to(head.lm_head.weight.dtype)
-    logits, _ = head.forward_train(batch["input_ids"], final, batch.get("attention_mask"))
+    logits, _ = forward(head, batch["input_ids"], final, batch.get("attention_mask"))
     return _combine([distill_step(lg, tv, batch["loss_mask"], d, batch.get("attention_mask"), backend)
                      for d, lg in enumerate(logits)], weights)
 
@@ -242,7 +249,7 @@ class Objective(nn.Module):
 
     def __init__(self, head: nn.Module, kind: str, *, steps: int = 7, decay: float = 0.8,
                  eagle1_ce_weight: float = 0.1, mtp_weights: list[float] | None = None,
-                 backend: str = "auto"):
+                 backend: str = "auto", compile: bool = False):
         super().__init__()
         self.head = head
         self.kind = kind
@@ -251,6 +258,10 @@ class Objective(nn.Module):
         self.eagle1_ce_weight = eagle1_ce_weight
         self.mtp_weights = mtp_weights
         self.backend = backend
+        # Only the head's forward is compiled: the loss selects valid positions with nonzero()
+        # (data-dependent shapes) and runs its own Triton soft-CE kernel, so it stays eager.
+        forward = {"eagle3": ttt_forward, "eagle1": eagle1_forward, "mtp": mtp_forward}.get(kind)
+        self._forward = torch.compile(forward) if compile and forward is not None else forward
 
     @property
     def num_steps(self) -> int:
@@ -262,9 +273,9 @@ class Objective(nn.Module):
 
     def forward(self, batch: dict, tv: TargetView) -> LossOutput:
         if self.kind == "eagle3":
-            return eagle3_loss(self.head, batch, tv, self.steps, self.decay, self.backend)
+            return eagle3_loss(self.head, batch, tv, self.steps, self.decay, self.backend, self._forward)
         if self.kind == "eagle1":
-            return eagle1_loss(self.head, batch, tv, self.eagle1_ce_weight, self.backend)
+            return eagle1_loss(self.head, batch, tv, self.eagle1_ce_weight, self.backend, self._forward)
         if self.kind == "mtp":
-            return mtp_loss(self.head, batch, tv, self.mtp_weights, self.backend)
+            return mtp_loss(self.head, batch, tv, self.mtp_weights, self.backend, self._forward)
         raise ValueError(f"unknown head kind {self.kind!r}")
