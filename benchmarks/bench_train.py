@@ -25,6 +25,7 @@ same run.
     python benchmarks/bench_train.py --out bench_train.json              # both (GPU part skipped without CUDA)
     python benchmarks/bench_train.py --only llama8b --steps 5
     python benchmarks/bench_train.py --only smollm2 --smollm2-device cuda --smollm2-shapes 16x256,128x512
+    python benchmarks/bench_train.py --only smollm2 --modes eager,compiled --batch 2 --cpu-seq 64
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def sync(device):
 
 
 def bench(name: str, device: torch.device, dtype: torch.dtype, B: int, T: int, K: int, steps: int,
-          warmup: int, backend: str) -> dict:
+          warmup: int, backend: str, compile: bool = False) -> dict:
     torch.manual_seed(0)
     cfg = HeadConfig(kind="eagle3", **CONFIGS[name])
     head = Eagle3Head(cfg).to(device=device, dtype=dtype)
@@ -101,7 +102,7 @@ def bench(name: str, device: torch.device, dtype: torch.dtype, B: int, T: int, K
     head.set_vocab_mapping(d2t)
     lm_w = (torch.randn(Vt, H, device=device, dtype=dtype) * H ** -0.5)
     tl = TargetLogits(lm_w, d2t)
-    obj = Objective(head, "eagle3", steps=K, decay=0.8, backend=backend).to(device)
+    obj = Objective(head, "eagle3", steps=K, decay=0.8, backend=backend, compile=compile).to(device)
     params = [p for p in obj.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
     batch = {
@@ -138,7 +139,7 @@ def bench(name: str, device: torch.device, dtype: torch.dtype, B: int, T: int, K
         "dtype": str(dtype).replace("torch.", ""), "batch": B, "seq": T, "ttt_steps": K,
         "trainable_params": sum(p.numel() for p in params), "step_s": dt, "tokens_per_s": B * T / dt,
         "loss": float(out.loss.detach()), "flops": fl, "achieved_flops_per_s": fl["total"] / dt,
-        "loss_backend": backend,
+        "loss_backend": backend, "compiled": compile,
     }
     if device.type == "cuda":
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
@@ -172,8 +173,14 @@ def main(argv=None):
     ap.add_argument("--smollm2-device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--smollm2-shapes", default=None,
                     help="comma-separated BxT micro-batches for smollm2 (default: --batch x --cpu-seq)")
+    ap.add_argument("--modes", default="eager",
+                    help="comma list of eager,compiled: compiled = train.compile (the TTT unroll through "
+                         "torch.compile; its warm-up steps include the compilation)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"eager", "compiled"}:
+        ap.error(f"--modes: a comma list of eager,compiled; got {a.modes!r}")
     results = []
     todo = [a.only] if a.only else ["llama8b", "smollm2"]
     for name in todo:
@@ -195,18 +202,23 @@ def main(argv=None):
                 peak, peak_kind = matmul_peak(dev, torch.bfloat16, 8192, 20), "bf16 8192³ matmul"
             else:
                 peak, peak_kind = matmul_peak(dev, torch.float32, 1024, 10), "fp32 1024³ matmul"
-            r = bench(name, dev, dtype, B, T, a.ttt, a.steps if dev.type == "cuda" else max(1, a.steps // 2),
-                      a.warmup if dev.type == "cuda" else 1, a.backend)
-            r["peak_flops_per_s"] = peak
-            r["peak_kind"] = peak_kind
-            r["mfu"] = r["achieved_flops_per_s"] / peak
-            r["mfu_head_only"] = r["flops"]["head_only"] / r["step_s"] / peak
-            results.append(r)
-    print("| config | device | dtype | B×T | TTT | step (s) | tokens/s | peak mem (GiB) | TFLOP/s | peak TFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+            for mode in modes:
+                # compiled: one more warm-up step, as the second shape-stable call may still recompile
+                warm = (a.warmup if dev.type == "cuda" else 1) + (mode == "compiled")
+                r = bench(name, dev, dtype, B, T, a.ttt, a.steps if dev.type == "cuda" else max(1, a.steps // 2),
+                          warm, a.backend, compile=mode == "compiled")
+                r["peak_flops_per_s"] = peak
+                r["peak_kind"] = peak_kind
+                r["mfu"] = r["achieved_flops_per_s"] / peak
+                r["mfu_head_only"] = r["flops"]["head_only"] / r["step_s"] / peak
+                results.append(r)
+    print("| config | mode | device | dtype | B×T | TTT | step (s) | tokens/s | peak mem (GiB) | TFLOP/s | "
+          "peak TFLOP/s | MFU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         mem = r.get("peak_mem_gib", r.get("peak_rss_gib", float("nan")))
-        print(f"| {r['config']} | {r['device']} | {r['dtype']} | {r['batch']}×{r['seq']} | {r['ttt_steps']} | "
+        print(f"| {r['config']} | {'compiled' if r['compiled'] else 'eager'} | {r['device']} | {r['dtype']} | "
+              f"{r['batch']}×{r['seq']} | {r['ttt_steps']} | "
               f"{r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {mem:.1f} | {r['achieved_flops_per_s'] / 1e12:.1f} | "
               f"{r['peak_flops_per_s'] / 1e12:.1f} ({r['peak_kind']}) | {100 * r['mfu']:.1f}% |")
     if a.out:

@@ -61,8 +61,8 @@ print(s['final']['train_dir'], s['best_lr'])")
     --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines eager,compiled \
     --out "$OUT/bench_runtime.json"
 }
-LIMIT=120 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
-  --smollm2-shapes $SHAPES --steps 5 --out "$OUT/bench_train.json"
+LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
+  --smollm2-shapes $SHAPES --steps 5 --modes eager,compiled --out "$OUT/bench_train.json"
 stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \
   --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
   --eval vicuna_k5=$RUN/eval_extras --eval vicuna_t07=$RUN/eval_t07 --eval vicuna_tree=$RUN/eval_tree \
