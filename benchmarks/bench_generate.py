@@ -36,11 +36,13 @@ from specheads.runtime.model import TargetModel
 from specheads.target import load_target
 
 
-def plain_decode(target, batch: int, new_tokens: int, graphs: bool) -> dict:
+def plain_decode(target, batch: int, new_tokens: int, graphs: bool, compile: bool = False) -> dict:
     builtin = load_prompts("builtin:demo_prompts")
     prompts = [render_prompt(target.tokenizer, [{"role": "user", "content": builtin[i % len(builtin)]["turns"][0]}])
                for i in range(batch)]
     engine = TargetModel.from_hf(target.model, max_batch=batch, max_seq=max(map(len, prompts)) + new_tokens + 8)
+    if compile:
+        engine.compile_layers()
     generate(engine, prompts, min(new_tokens, 8), stop_token_ids=(), use_cuda_graphs=graphs)  # warm-up / capture
     r = generate(engine, prompts, new_tokens, stop_token_ids=(), use_cuda_graphs=graphs)
     tokens = sum(len(t) for t in r.tokens)
@@ -66,6 +68,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompts", type=int, default=256, help="conversations to regenerate and prompts to synthesize")
     ap.add_argument("--new-tokens", type=int, default=128,
                     help="max new tokens: plain decode, regenerated answers, synthesized messages and documents")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the engine's layers in all three rows (data.*.compile in the stages)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
@@ -74,7 +78,7 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in str(a.batch).split(",")]
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "dtype": dtype,
            "target": a.target, "batches": batches, "prompts": a.prompts, "new_tokens": a.new_tokens,
-           "cuda_graphs": graphs, "by_batch": {}}
+           "cuda_graphs": graphs, "compiled": a.compile, "by_batch": {}}
     for batch in batches:
         res["by_batch"][batch] = rows = run_batch(a, target, dtype, batch, graphs)
         print_table(a, res, batch, rows)
@@ -85,7 +89,7 @@ def main(argv=None) -> dict:
 
 
 def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
-    rows = {"plain decode": plain_decode(target, batch, a.new_tokens, graphs)}
+    rows = {"plain decode": plain_decode(target, batch, a.new_tokens, graphs, a.compile)}
     with tempfile.TemporaryDirectory() as tmp:
         common = [f"target.source={a.target}", f"target.dtype={dtype}", f"target.device={a.device}", "seed=0"]
         # the built-in prompts, repeated under new ids when more are asked for than it has
@@ -97,10 +101,12 @@ def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
         regen = load_recipe(None, common + [f"run_dir={tmp}/regen", f"data.sources=[{{path: {src}}}]",
                                             "data.holdout_fraction=0", "data.regenerate.enabled=true",
                                             f"data.regenerate.batch_size={batch}",
+                                            f"data.regenerate.compile={str(a.compile).lower()}",
                                             f"data.regenerate.max_new_tokens={a.new_tokens}"])
         rows["data regenerate"] = stage_row(run_regenerate, regen, target, "tokens", "conversations")
         synth = load_recipe(None, common + [f"run_dir={tmp}/synth", f"data.synthesize.num_prompts={a.prompts}",
                                             f"data.synthesize.batch_size={batch}",
+                                            f"data.synthesize.compile={str(a.compile).lower()}",
                                             f"data.synthesize.max_new_tokens={a.new_tokens}",
                                             f"data.synthesize.copy_tasks.document_tokens={a.new_tokens}"])
         rows["data synthesize"] = stage_row(run_synthesize, synth, target, "generated_tokens", "written")
@@ -113,7 +119,7 @@ def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
 
 def print_table(a, res: dict, batch: int, rows: dict) -> None:
     print(f"\n### Generation speed, {a.target}, {res['device']}, {res['dtype']}, batch {batch}, "
-          f"≤{a.new_tokens} new tokens, CUDA graphs {res['cuda_graphs']}\n")
+          f"≤{a.new_tokens} new tokens, CUDA graphs {res['cuda_graphs']}, compiled {res['compiled']}\n")
     print("| run | sequences | generated tokens | seconds | tok/s | ÷ plain decode |\n|---|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['sequences']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} | "

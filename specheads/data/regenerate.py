@@ -94,7 +94,10 @@ def run_regenerate(recipe, target=None) -> dict:
 
         head, _meta = load_head_for(g.head, target)
         drafter = drafter_for_head(head.to(device=target.device, dtype=target.dtype).eval())
+        drafter = drafter.compile() if g.compile else drafter
     engine = TargetModel.from_hf(target.model, max_batch=g.batch_size, max_seq=max_seq)
+    if g.compile:
+        engine.compile_layers()
     sampling = g.temperature > 0
     written = {"conversations": 0, "tokens": 0, "skipped_overlong": 0}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +137,7 @@ def run_regenerate(recipe, target=None) -> dict:
     elapsed = time.time() - t0
     summary = {"out": str(out), "already_done": len(done), "prompts": len(items), **stats, **written,
                "seconds": elapsed, "tokens_per_s": written["tokens"] / elapsed if elapsed else 0.0,
-               "batch_size": g.batch_size, "device": str(engine.device), "drafter": g.head}
+               "batch_size": g.batch_size, "device": str(engine.device), "drafter": g.head, "compiled": g.compile}
     # this run's figures beside the output (a resumed run writes its own part's)
     write_json_atomic(out.parent / SUMMARY_NAME, summary)
     print(f"regenerated {written['conversations']} conversations ({written['tokens']} tokens, "

@@ -597,6 +597,8 @@ def run_synthesize(recipe, target=None) -> dict:
     limit = int(getattr(target.config, "max_position_embeddings", 8192) or 8192)
     max_seq = _max_seq(cfg, prefix_len, documents is not None, limit)
     engine = TargetModel.from_hf(target.model, max_batch=cfg.batch_size, max_seq=max_seq)
+    if cfg.compile:
+        engine.compile_layers()
     writer = _Writer(engine, tokenizer, cfg, recipe.seed, stops)
     already = len(kept)
     max_index = ATTEMPTS_PER_PROMPT * cfg.num_prompts
