@@ -149,7 +149,9 @@ class Feed:
     def _budget_batches(self, order: np.ndarray, rng) -> list[list[int]]:
         """Cut ``order`` (positions into row_ids) into batches of at most max_tokens padded tokens."""
         lens = self._lengths
-        window = max(1, self.SORT_WINDOW_BATCHES * self.max_tokens // max(1, int(lens.mean()) if len(lens) else 1))
+        # rows per sort window: about SORT_WINDOW_BATCHES batches of rows of the mean length
+        mean_len = max(1, int(lens.mean())) if len(lens) else 1
+        window = max(1, self.SORT_WINDOW_BATCHES * self.max_tokens // mean_len)
         out: list[list[int]] = []
         for w in range(0, len(order), window):
             chunk = order[w:w + window]
@@ -197,7 +199,8 @@ class Feed:
 
     def padding_fraction(self, epoch: int = 0) -> float:
         """Share of padded token slots in an epoch's batches (rows × longest row)."""
-        lengths = dict(zip(self.row_ids.tolist(), self.source.lengths()[self.row_ids].tolist()))
+        row_lengths = self._lengths if self._lengths is not None else self.source.lengths()[self.row_ids]
+        lengths = dict(zip(self.row_ids.tolist(), row_lengths.tolist()))
         real = padded = 0
         for b in self.global_batches(epoch):
             ls = [lengths[i] for i in b]
