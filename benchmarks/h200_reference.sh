@@ -7,7 +7,8 @@
 # ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
 # Every stage resumes: a second run after a kill continues where the first stopped.
 # SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1); EXTRAS=1 adds the
-# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna.
+# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna. FRACTIONS and
+# LRS override the sweep (FRACTIONS=1 LRS=1e-3: no sweep, one run), COMPILE=1 and EXTRA_OV below.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -19,7 +20,13 @@ RUN=${RUN:-runs/smollm2_eagle3_h200}
 DEVICE=${DEVICE:-cuda}
 S="python3 -m specheads.cli"
 OV=(run_dir=$RUN target.device=$DEVICE "data.sources.6.path=$RUN/data/synthesized.jsonl")
-FRACTIONS=0.1,0.3,1; LRS=5e-4,1e-3,2e-3; BATCHES=1,8,48; NEW=128; SHAPES=16x256,64x512,128x256,32x1024; VL=80; GL=64
+FRACTIONS=${FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-5e-4,1e-3,2e-3}; BATCHES=1,8,48; NEW=128
+SHAPES=16x256,64x512,128x256,32x1024; VL=80; GL=64
+# COMPILE=1: torch.compile in every stage that decodes or trains; EXTRA_OV: more recipe overrides
+if [ -n "${COMPILE:-}" ]; then
+  OV+=(data.synthesize.compile=true data.regenerate.compile=true train.compile=true eval.compile=true)
+fi
+OV+=(${EXTRA_OV:-})
 if [ -n "${SMALL:-}" ]; then
   OV+=(data.synthesize.num_prompts=6 data.synthesize.batch_size=6 data.synthesize.copy_tasks.document_tokens=48
        data.sources.0.limit=16 data.sources.1.limit=8 data.sources.2.limit=8 data.sources.3.limit=4

@@ -191,9 +191,11 @@ def run_eval(recipe, target=None) -> dict:
     common = dict(max_new_tokens=e.max_new_tokens, batch_size=e.batch_size, temperature=e.temperature,
                   top_k=e.top_k, top_p=e.top_p, seed=recipe.seed, use_cuda_graphs=cuda_graphs)
 
-    # untimed warm-up: the first calls pay one-off costs (allocator, graph capture) that would
-    # otherwise land on the plain baseline and inflate every speedup
-    chat_generate(engine, tok, prompts[:1], **{**common, "max_new_tokens": min(8, e.max_new_tokens)}, rule=plain_rule)
+    # untimed warm-ups, at the run's batch size, before the plain baseline and before every drafted
+    # run: the first calls of a shape pay one-off costs (allocator, CUDA-graph capture, compilation
+    # with eval.compile) that would otherwise land inside the timed runs and skew every speedup
+    warm = {**common, "max_new_tokens": min(8, e.max_new_tokens)}
+    chat_generate(engine, tok, prompts[:e.batch_size], **warm, rule=plain_rule)
     with _Progress(n_tokens, "plain") as cb:
         plain, plain_s = chat_generate(engine, tok, prompts, rule=plain_rule, progress=cb, **common)
     plain_tokens = sum(len(a) for r in plain for a in r.answer_tokens)
@@ -207,6 +209,8 @@ def run_eval(recipe, target=None) -> dict:
         if key not in drafters:
             drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match, e.compile)
         drafter = drafters[key]
+        chat_generate(engine, tok, prompts[:e.batch_size], drafter=drafter, k=spec.k, tree=spec.tree_config(),
+                      rule=spec.rule, thresholds=spec.thresholds, **warm)
         with _Progress(n_tokens, spec.name) as cb:
             res, secs = chat_generate(engine, tok, prompts, drafter=drafter, k=spec.k, tree=spec.tree_config(),
                                       rule=spec.rule, thresholds=spec.thresholds, progress=cb, **common)

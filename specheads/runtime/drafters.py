@@ -354,6 +354,7 @@ class HeadDrafter(Drafter):
         """Run the head's step through ``torch.compile`` (the head module itself is untouched):
         a draft step is a few hundred small kernels eagerly, and drafting k of them per target
         forward is what makes a head's speedup fall short of its tau (issue 14)."""
+        compile_kwargs.setdefault("dynamic", True)     # as TargetModel.compile_layers
         self._forward = torch.compile(self.head.forward_step, **compile_kwargs)
         return self
 

@@ -261,7 +261,8 @@ class Objective(nn.Module):
         # Only the head's forward is compiled: the loss selects valid positions with nonzero()
         # (data-dependent shapes) and runs its own Triton soft-CE kernel, so it stays eager.
         forward = {"eagle3": ttt_forward, "eagle1": eagle1_forward, "mtp": mtp_forward}.get(kind)
-        self._forward = torch.compile(forward) if compile and forward is not None else forward
+        # dynamic from the first batch: token-budget micro-batches change shape every step
+        self._forward = torch.compile(forward, dynamic=True) if compile and forward is not None else forward
 
     @property
     def num_steps(self) -> int:
