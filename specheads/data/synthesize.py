@@ -428,14 +428,27 @@ class _Writer:
         if it.reason is None:
             it.messages.append({"role": "user", "content": text.strip()})
 
+    def _generate(self, it: Item, prompt: list[int], max_new: int, stops, step: int):
+        """``yield from`` this in ``_flow``: one generation as a ``Request`` (``step`` keeps each
+        generation's seed apart; ``stops`` None = EOS); gives (tokens, finish reason), or None
+        when it does not fit the cache (the item is then dropped as 'overlong')."""
+        from specheads.runtime.chat import seed_for
+        from specheads.runtime.generate import Request
+
+        if len(prompt) + max_new + 1 > self.engine.max_seq:
+            it.reason = "overlong"
+            return None
+        return (yield Request(prompt, max_new, seed=seed_for(it.id, self.seed, step), stop_token_ids=stops))
+
     def _flow(self, it: Item):
-        """One item's generations: yields (prompt ids, max new tokens, stop ids or None for EOS, sampling
-        step), receives (tokens, finish reason); returns when the item is complete or dropped. ``step``
-        keeps each generation's seed apart."""
+        """One item's generations (``_generate``); returns when the item is complete or dropped."""
         g, tok, eos = self.cfg, self.tok, self.engine.args.eos_token_ids
         if it.doc_request:  # 1. the document of a copy-heavy item (its own sampling stream, step 1000)
             prompt = _ids(tok, render(tok, [{"role": "user", "content": it.doc_request}], add_generation_prompt=True))
-            toks, why = yield prompt, g.copy_tasks.document_tokens, None, 1000
+            got = yield from self._generate(it, prompt, g.copy_tasks.document_tokens, None, 1000)
+            if got is None:
+                return
+            toks, why = got
             text = self._text(toks, eos)
             it.document = trim_to_boundary(text) if why == "length" else text.strip()
             # a few words make no copy-heavy request
@@ -445,8 +458,10 @@ class _Writer:
         for turn in range(g.turns):
             if turn > 0:  # 2. the target answers the last user turn (context for the next one)
                 prompt = _ids(tok, render(tok, it.messages, add_generation_prompt=True))
-                toks, _why = yield prompt, g.answer_tokens, None, 2 * turn - 1
-                it.messages.append({"role": "assistant", "content": self._text(toks, eos).strip()})
+                got = yield from self._generate(it, prompt, g.answer_tokens, None, 2 * turn - 1)
+                if got is None:
+                    return
+                it.messages.append({"role": "assistant", "content": self._text(got[0], eos).strip()})
             # 3. the user turn: a copy-heavy request, or written by the target from the template's user prefix
             if turn == 0 and it.copy_task:
                 self._accept_turn(it, copy_prompt(it.copy_task, it.template, it.document, tok,
@@ -454,7 +469,10 @@ class _Writer:
             else:
                 opener = it.opener if turn == 0 else ""
                 prompt = _ids(tok, user_prefix(tok, it.messages) + opener)
-                toks, why = yield prompt, g.max_new_tokens, self.user_stops, 2 * turn
+                got = yield from self._generate(it, prompt, g.max_new_tokens, self.user_stops, 2 * turn)
+                if got is None:
+                    return
+                toks, why = got
                 text = opener + self._text(toks, self.user_stops)
                 if why != "stop":  # the message never ended within the length cap
                     it.reason = "no_end"
@@ -464,42 +482,17 @@ class _Writer:
             if it.reason is not None:
                 return
 
+    def _count(self, n: int) -> None:
+        self.tokens += n
+
     def run(self, items, on_item) -> None:
-        """Generate every item of ``items`` (pulled as slots free up); ``on_item(item)`` as each is complete.
-        A generation that does not fit the cache drops its item as 'overlong'."""
-        from specheads.runtime.chat import seed_for
-        from specheads.runtime.generate import Request, generate_continuous
-
-        def advance(it, flow, send):
-            """The item's next request, or None (and ``on_item``) when it is complete."""
-            try:
-                prompt, max_new, stops, step = send()
-            except StopIteration:
-                on_item(it)
-                return None
-            if len(prompt) + max_new + 1 > self.engine.max_seq:
-                it.reason = "overlong"
-                flow.close()
-                on_item(it)
-                return None
-            return Request(prompt, max_new, seed=seed_for(it.id, self.seed, step), stop_token_ids=stops,
-                           tag=(it, flow))
-
-        def requests():
-            for it in items:
-                flow = self._flow(it)
-                r = advance(it, flow, lambda: next(flow))
-                if r is not None:
-                    yield r
-
-        def on_finish(req, tokens, why):
-            self.tokens += len(tokens)
-            it, flow = req.tag
-            return advance(it, flow, lambda: flow.send((tokens, why)))
+        """Generate every item of ``items`` (pulled as slots free up); ``on_item(item)`` as each is complete."""
+        from specheads.runtime.generate import generate_flows
 
         g = self.cfg
-        generate_continuous(self.engine, requests(), on_finish, temperature=g.temperature, top_k=g.top_k,
-                            top_p=g.top_p, use_cuda_graphs=self.engine.device.type == "cuda")
+        generate_flows(self.engine, ((it, self._flow(it)) for it in items), on_item, on_tokens=self._count,
+                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                       use_cuda_graphs=self.engine.device.type == "cuda")
 
 
 def _max_seq(cfg, prefix_len: int, user_documents: bool, limit: int) -> int:

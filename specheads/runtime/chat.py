@@ -9,7 +9,7 @@ resumable and deterministic.
 
 Two schedules: fixed batches (every turn of a batch waits for its longest
 answer; eval measures drafting this way) and, with ``continuous=True`` and
-no drafter, continuous batching (``generate_continuous``): a finished
+no drafter, continuous batching (``generate_flows``): a finished
 answer's slot takes the next prompt at once, and a conversation's next turn
 is queued, whole conversation so far, ahead of the conversations not yet
 started.
@@ -21,7 +21,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from .generate import Request, generate, generate_continuous
+from .generate import Request, generate, generate_flows
 from .metrics import StepRecord
 
 
@@ -114,9 +114,9 @@ def chat_generate(engine, tokenizer, conversations: list[dict], *, max_new_token
     return results, gen_seconds
 
 
-def _conversation(c: dict, state: ChatResult, tokenizer, eos, max_prompt_tokens):
-    """One conversation's turns: yields each turn's prompt ids (and turn index), receives the
-    answer's (tokens, finish reason). Returns early when a prompt is overlong."""
+def _conversation(c: dict, state: ChatResult, tokenizer, eos, max_prompt_tokens, max_new_tokens, seed):
+    """One conversation's turns: yields each turn's ``Request``, receives the answer's (tokens,
+    finish reason). Returns early when a prompt is overlong."""
     for turn, text in enumerate(c["turns"]):
         state.messages.append({"role": "user", "content": text})
         ids = render_prompt(tokenizer, state.messages)
@@ -124,7 +124,7 @@ def _conversation(c: dict, state: ChatResult, tokenizer, eos, max_prompt_tokens)
             state.finish_reasons = ["skipped:overlong"]
             return
         state.prompt_tokens.append(ids)
-        toks, why = yield ids, turn
+        toks, why = yield Request(ids, max_new_tokens, seed=seed_for(state.id, seed, turn))
         state.answer_tokens.append(toks)
         state.finish_reasons.append(why)
         text = tokenizer.decode(_strip_stop(toks, eos), skip_special_tokens=True)
@@ -138,32 +138,11 @@ def _chat_continuous(engine, tokenizer, conversations, *, max_new_tokens, batch_
         msgs = [{"role": "system", "content": c["system"]}] if c.get("system") else []
         states.append(ChatResult(id=str(c["id"]), category=c.get("category"), messages=msgs))
     eos = engine.args.eos_token_ids
-
-    def request(i, flow, step):
-        """The conversation's next turn as a request, or None (and on_done) when it is over."""
-        try:
-            ids, turn = step()
-        except StopIteration:
-            if on_done is not None:
-                on_done(states[i])
-            return None
-        return Request(ids, max_new_tokens, seed=seed_for(states[i].id, seed, turn), tag=(i, flow))
-
-    def first_turns():
-        for i, c in enumerate(conversations):
-            flow = _conversation(c, states[i], tokenizer, eos, max_prompt_tokens)
-            r = request(i, flow, lambda: next(flow))
-            if r is not None:
-                yield r
-
-    def on_finish(req, tokens, why):
-        if progress is not None:
-            progress(len(tokens))
-        i, flow = req.tag
-        return request(i, flow, lambda: flow.send((tokens, why)))
-
-    stats = generate_continuous(engine, first_turns(), on_finish, batch_size=batch_size, temperature=temperature,
-                                top_k=top_k, top_p=top_p, use_cuda_graphs=use_cuda_graphs, sync_every=sync_every)
+    flows = ((i, _conversation(c, states[i], tokenizer, eos, max_prompt_tokens, max_new_tokens, seed))
+             for i, c in enumerate(conversations))
+    stats = generate_flows(engine, flows, lambda i: on_done(states[i]) if on_done is not None else None,
+                           on_tokens=progress, batch_size=batch_size, temperature=temperature, top_k=top_k,
+                           top_p=top_p, use_cuda_graphs=use_cuda_graphs, sync_every=sync_every)
     return states, stats["seconds"]
 
 

@@ -32,7 +32,8 @@ cannot be captured runs eagerly (``GenerateResult.graph_stats['failed']``) - nev
 result. Drafters that read the host view (``ctx.histories``) run eagerly with one sync per
 step, with the target forward in the engine's per-forward graphs.
 
-Continuous batching (``generate_continuous``, ``ContinuousGeneration``; plain decoding only):
+Continuous batching (``generate_continuous``, ``ContinuousGeneration``, and ``generate_flows`` for
+multi-step work; plain decoding only):
 the same step over a fixed set of slots, with a finished row's slot refilled by the next
 request (a prefill of just the new prompts into their cache rows) between steps, so the step's
 graphs stay valid. Data generation (regenerate, synthesize) runs this way.
@@ -48,7 +49,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -820,6 +821,39 @@ def generate_continuous(model: TargetModel, requests: Iterable[Request],
     gen.serve(requests, on_finish)
     _sync(model.device)
     return {**gen.stats, "seconds": time.perf_counter() - t0}
+
+
+def generate_flows(model: TargetModel, flows: Iterable[tuple[Any, Generator]], on_done: Callable[[Any], None], *,
+                   on_tokens: Callable[[int], None] | None = None, **kw) -> dict:
+    """Continuous batching over multi-step work (a conversation's turns; a synthesized item's
+    document, message and answers). ``flows``: ``(key, generator)`` pairs, pulled lazily; each
+    generator yields the ``Request`` of its next generation and is sent ``(tokens, finish reason)``
+    back, so its next request is queued the moment the last one finishes. ``on_done(key)`` when a
+    generator returns; ``on_tokens(n)`` per finished generation. ``kw`` go to
+    ``generate_continuous``, whose counts this returns."""
+
+    def advance(key, flow, send):
+        try:
+            req = send()
+        except StopIteration:
+            on_done(key)
+            return None
+        req.tag = (key, flow)
+        return req
+
+    def first_requests():
+        for key, flow in flows:
+            r = advance(key, flow, flow.__next__)
+            if r is not None:
+                yield r
+
+    def on_finish(req, tokens, why):
+        if on_tokens is not None:
+            on_tokens(len(tokens))
+        key, flow = req.tag
+        return advance(key, flow, lambda: flow.send((tokens, why)))
+
+    return generate_continuous(model, first_requests(), on_finish, **kw)
 
 
 _Generation = Generation
