@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from specheads.errors import SpecheadsError
 
-from .model import TargetModel, build_attn_mask, round_up
+from .model import TargetModel, build_attn_mask, kv_write_index, round_up
 from .tree import DraftTree, Expansion, TreeConfig, build_dynamic_tree
 from .verify import sample_inverse_cdf, target_probs
 
@@ -275,20 +275,18 @@ class DraftCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_seq = max_seq
-        self.write_pos = self.mask = None
+        self.write_pos = self.mask = self.index = None
         self.kv_len = self.slots
 
     def prepare(self, write_pos: torch.Tensor, mask: torch.Tensor, kv_len: int) -> None:
         self.write_pos, self.mask, self.kv_len = write_pos.clamp(max=self.max_seq - 1), mask, kv_len
+        self.index = kv_write_index(self.write_pos, self.k[0].shape[1])       # one for every layer of the call
 
     def attend(self, layer_idx, q, k, v, attention_mask=None, attn_module=None):
-        B, KvH, T, D = k.shape
-        # index_put_, not scatter_: under torch.compile a scatter into the cache copies all of it
-        idx = (torch.arange(B, device=k.device)[:, None, None], torch.arange(KvH, device=k.device)[None, :, None],
-               self.write_pos[:, None, :])
+        KvH = k.shape[1]
         K, V = self.k[layer_idx], self.v[layer_idx]
-        K.index_put_(idx, k.to(K.dtype))
-        V.index_put_(idx, v.to(V.dtype))
+        K.index_put_(self.index, k.to(K.dtype))
+        V.index_put_(self.index, v.to(V.dtype))
         scale = getattr(attn_module, "scale", None)
         return F.scaled_dot_product_attention(
             q, K[:, :, :self.kv_len].to(q.dtype), V[:, :, :self.kv_len].to(q.dtype),

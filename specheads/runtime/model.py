@@ -171,6 +171,15 @@ def grouped_attention(q, k, v, mask):
     return o.view(B, KvH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
 
 
+def kv_write_index(write_pos: torch.Tensor, kv_heads: int, rows: torch.Tensor | None = None) -> tuple:
+    """The index of a cache's ``index_put_`` (engine layers and the drafters' head cache): K/V
+    [B, KvH, T, D] of batch row b go to cache row ``rows[b]`` (default b), slots ``write_pos[b]``.
+    ``index_put_``, not ``scatter_``: under torch.compile a scatter into the cache copies all of it."""
+    dev = write_pos.device
+    r = torch.arange(write_pos.shape[0], device=dev) if rows is None else rows
+    return r[:, None, None], torch.arange(kv_heads, device=dev)[None, :, None], write_pos[:, None, :]
+
+
 class KVCache:
     """Static cache for ``num_layers`` layers; ``lengths[b]`` = valid slots of row b.
     ``slots`` (allocated) = ``max_seq`` rounded up to a multiple of 16."""
@@ -228,7 +237,7 @@ class Layer(nn.Module):
     def forward(self, x, cos, sin_s, k_cache, v_cache, cache_index, mask, kv_len, rows=None):
         """x [B, T, H]; cos / sin_s [B, T, 1, D] in x's dtype (``signed_sin``); mask: additive
         [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [max_batch, KvH, slots, D];
-        ``cache_index`` (``TargetModel.cache_index``) where the T new K/V go; ``rows`` [B] the
+        ``cache_index`` (``kv_write_index``) where the T new K/V go; ``rows`` [B] the
         cache row of each x row (None: the first B rows).
 
         The K/V write is one ``index_put_`` (not ``scatter_``): torch.compile keeps it in place
@@ -391,14 +400,6 @@ class TargetModel(nn.Module):
     def compact(self, src_slots: torch.Tensor, dst_start: torch.Tensor) -> None:
         self.cache.compact(src_slots, dst_start)
 
-    def cache_index(self, rows: torch.Tensor | None, B: int, write_pos: torch.Tensor) -> tuple:
-        """The index of ``Layer``'s ``cache.index_put_``: K/V [B, KvH, T, D] of batch row b go to
-        cache row ``rows[b]`` (default b), slots ``write_pos[b]``."""
-        dev = write_pos.device
-        r = torch.arange(B, device=dev) if rows is None else rows
-        heads = torch.arange(self.args.num_kv_heads, device=dev)
-        return r[:, None, None], heads[None, :, None], write_pos[:, None, :]
-
     def compile_layers(self, **compile_kwargs) -> "TargetModel":
         """``torch.compile`` each decoder layer (gpt-fast's lever for launch-bound decoding): Inductor
         fuses RMSNorm, RoPE, the K/V write and the SwiGLU elementwise work into a few kernels. The
@@ -448,7 +449,7 @@ class TargetModel(nn.Module):
         cos, sin_s = self.cos_t[positions][:, :, None], self.sin_t[positions][:, :, None]   # [B, T, 1, D]
         want = {int(i) for i in aux_layer_ids}
         L = self.args.num_layers
-        index = self.cache_index(rows, B, write_pos)
+        index = kv_write_index(write_pos, a.num_kv_heads, rows)
         captured = {}
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
