@@ -329,6 +329,16 @@ class Generation:
         return sample_inverse_cdf(target_probs(logits, ws.temperature, ws.top_k, ws.top_p), u_sample)
 
     # ---- steps ---------------------------------------------------------------------------
+    def _reset_step_state(self) -> None:
+        """The workspace's sampling settings, step counter and per-step records for a new call."""
+        ws = self.ws
+        ws.temperature.fill_(float(self.temperature))
+        ws.top_k.fill_(int(self.top_k))
+        ws.top_p.fill_(float(self.top_p))
+        ws.step.zero_()
+        ws.rec.zero_()
+        ws.flag.zero_()
+
     def prefill(self) -> None:
         """Run the prompts (left-aligned, one forward), emit each request's first token, reset
         the device state and give the drafter the prompt's target states."""
@@ -352,12 +362,7 @@ class Generation:
         ws.stops.fill_(-1)
         if self.stop_ids:
             ws.stops[:, :len(self.stop_ids)] = torch.tensor(self.stop_ids, device=dev)
-        ws.temperature.fill_(float(self.temperature))
-        ws.top_k.fill_(int(self.top_k))
-        ws.top_p.fill_(float(self.top_p))
-        ws.step.zero_()
-        ws.rec.zero_()
-        ws.flag.zero_()
+        self._reset_step_state()
         if self.Wu:
             self._refill()
         first = self._pick(last_logits, ws.uchunk[0, :, self.n_draw] if self.Wu else None)
@@ -677,12 +682,7 @@ class ContinuousGeneration(Generation):
         ws.stopped.zero_()
         ws.max_new.zero_()
         ws.stops.fill_(-1)
-        ws.step.zero_()
-        ws.rec.zero_()
-        ws.flag.zero_()
-        ws.temperature.fill_(float(self.temperature))
-        ws.top_k.fill_(int(self.top_k))
-        ws.top_p.fill_(float(self.top_p))
+        self._reset_step_state()
         self.t = 0
         self.capture = self.use_graphs    # no drafter: the step is graph safe
 
@@ -750,9 +750,9 @@ class ContinuousGeneration(Generation):
         # prefill in groups of bounded padded size: a long prompt among short ones costs memory, not time
         start = 0
         while start < len(new):
-            end = start + 1
-            while end < len(new) and (end + 1 - start) * max(len(r.prompt) for r in new[start:end + 1]) \
-                    <= self.prefill_tokens:
+            end, longest = start + 1, len(new[start].prompt)
+            while end < len(new) and (end + 1 - start) * max(longest, len(new[end].prompt)) <= self.prefill_tokens:
+                longest = max(longest, len(new[end].prompt))
                 end += 1
             self._prefill(free[start:end], new[start:end])
             start = end
