@@ -70,6 +70,8 @@ def main(argv=None) -> dict:
                     help="max new tokens: plain decode, regenerated answers, synthesized messages and documents")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the engine's layers in all three rows (data.*.compile in the stages)")
+    ap.add_argument("--refill-at", type=int, default=1,
+                    help="continuous batching: free slots gathered before one prefill (data.*.refill_at)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
@@ -78,7 +80,7 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in str(a.batch).split(",")]
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "dtype": dtype,
            "target": a.target, "batches": batches, "prompts": a.prompts, "new_tokens": a.new_tokens,
-           "cuda_graphs": graphs, "compiled": a.compile, "by_batch": {}}
+           "cuda_graphs": graphs, "compiled": a.compile, "refill_at": a.refill_at, "by_batch": {}}
     for batch in batches:
         res["by_batch"][batch] = rows = run_batch(a, target, dtype, batch, graphs)
         print_table(a, res, batch, rows)
@@ -102,11 +104,13 @@ def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
                                             "data.holdout_fraction=0", "data.regenerate.enabled=true",
                                             f"data.regenerate.batch_size={batch}",
                                             f"data.regenerate.compile={str(a.compile).lower()}",
+                                            f"data.regenerate.refill_at={a.refill_at}",
                                             f"data.regenerate.max_new_tokens={a.new_tokens}"])
         rows["data regenerate"] = stage_row(run_regenerate, regen, target, "tokens", "conversations")
         synth = load_recipe(None, common + [f"run_dir={tmp}/synth", f"data.synthesize.num_prompts={a.prompts}",
                                             f"data.synthesize.batch_size={batch}",
                                             f"data.synthesize.compile={str(a.compile).lower()}",
+                                            f"data.synthesize.refill_at={a.refill_at}",
                                             f"data.synthesize.max_new_tokens={a.new_tokens}",
                                             f"data.synthesize.copy_tasks.document_tokens={a.new_tokens}"])
         rows["data synthesize"] = stage_row(run_synthesize, synth, target, "generated_tokens", "written")
@@ -119,7 +123,8 @@ def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
 
 def print_table(a, res: dict, batch: int, rows: dict) -> None:
     print(f"\n### Generation speed, {a.target}, {res['device']}, {res['dtype']}, batch {batch}, "
-          f"≤{a.new_tokens} new tokens, CUDA graphs {res['cuda_graphs']}, compiled {res['compiled']}\n")
+          f"≤{a.new_tokens} new tokens, CUDA graphs {res['cuda_graphs']}, compiled {res['compiled']}, "
+          f"refill at {a.refill_at} free slots\n")
     print("| run | sequences | generated tokens | seconds | tok/s | ÷ plain decode |\n|---|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['sequences']} | {r['tokens']} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} | "

@@ -16,7 +16,7 @@ is free). ``--engines eager,compiled`` times every row on both engines in one ru
 column is tokens/s over the first engine's plain decoding. Prints a Markdown table; ``--out`` writes JSON and ``--plot`` (default: the JSON path
 with .png) a plot of speedup against batch size per drafter.
 
-``--profile``: a torch.profiler table of one plain and one drafted decode step at batch 1
+``--profile``: a torch.profiler table of one plain and one drafted decode step at the first --batches size
 (eager, so the kernels are visible), and the time per step with and without CUDA graphs.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -140,13 +141,28 @@ def load_head(path, tgt, m):
     return drafter_for_head(head, name=Path(path).name, target_vocab_size=m.args.vocab_size)
 
 
+class RecompileLimitHits(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings: past that limit a compiled function runs
+    new shapes eagerly, and a compiled row then silently measures eager code."""
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+        logging.getLogger("torch._dynamo.convert_frame").addHandler(self)
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "recompile_limit" in msg:
+            self.hits.append(msg.splitlines()[1].strip() if "\n" in msg else msg)
+
+
 # ------------------------------------------------------------------------------ profile
 def _sort_key(dev):
     return "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
 
 
-def profile_steps(m, prompt, drafters, k, graphs, dev, steps=10):
-    """Per drafter: ms per decode step (eager and graphed) and a profiler table of one eager step."""
+def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10):
+    """Per drafter: ms per decode step of ``prompts`` as one batch (eager and graphed) and a profiler
+    table of one eager step."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -154,8 +170,8 @@ def profile_steps(m, prompt, drafters, k, graphs, dev, steps=10):
     for name, d in drafters:
         row = {}
         for mode in ([False, True] if graphs else [False]):
-            new = min((steps + 6) * (k + 1), m.max_seq - len(prompt) - k - 2)   # never finishes while timed
-            gen = Generation(m, [prompt], new, drafter=d, k=k, stop_token_ids=(), use_cuda_graphs=mode)
+            new = min((steps + 6) * (k + 1), m.max_seq - max(map(len, prompts)) - k - 2)  # never finishes while timed
+            gen = Generation(m, prompts, new, drafter=d, k=k, stop_token_ids=(), use_cuda_graphs=mode)
             gen.prefill()
             gen.run(max_steps=3)                       # warm-up: kernels compiled, graphs captured
             sync(dev)
@@ -246,7 +262,7 @@ def main(argv=None):
                          "steps (TargetModel.compile_layers, HeadDrafter.compile), timed in the same run")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per row (the fastest counts)")
     ap.add_argument("--hf", action="store_true", help="also time Hugging Face generate (plain)")
-    ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at batch 1")
+    ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at the first --batches size")
     ap.add_argument("--profile-only", action="store_true", help="only the profile (no table)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="PNG of speedup against batch size (default: --out with .png)")
@@ -293,6 +309,7 @@ def main(argv=None):
                     drafters.append((f"hybrid (min_match {a.min_match})",
                                      lambda h=head: make_drafter("hybrid", h, min_match=a.min_match)))
         engines[eng] = (m, drafters)
+    limit_hits = RecompileLimitHits()
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,
            "min_match": a.min_match, "torch": torch.__version__, "engines": engine_names, "rows": [], "hf": {}}
@@ -322,6 +339,10 @@ def main(argv=None):
                       f"compilation)", flush=True)
         print()
         print(markdown(res))
+        res["recompile_limit_hits"] = limit_hits.hits
+        if "compiled" in engine_names:
+            print(f"\ntorch.compile recompile limit hit {len(limit_hits.hits)} time(s)"
+                  + (f" ({'; '.join(limit_hits.hits)}): those shapes ran eagerly" if limit_hits.hits else ""))
         lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
         print(f"\ngreedy outputs identical to plain (eager) decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
 
@@ -331,11 +352,11 @@ def main(argv=None):
         for name, make in drafters[::-1]:                   # the last requested drafter (hybrid > head > ngram)
             chosen.append((name, make()))
             break
-        prof = profile_steps(m, prompts[0], chosen, a.k, graphs, dev)
+        prof = profile_steps(m, prompts[:batches[0]], chosen, a.k, graphs, dev)   # at the first --batches
         res["profile"] = {n: {k: v for k, v in r.items() if k != "table"} for n, r in prof.items()}
         for name, r in prof.items():
             times = ", ".join(f"{k.replace('_ms_per_step', '')} {v:.2f} ms/step" for k, v in r.items() if k != "table")
-            print(f"\n### Profile: one {name} decode step, batch 1 ({times})\n")
+            print(f"\n### Profile: one {name} decode step, batch {batches[0]} ({times})\n")
             print(r["table"])
 
     if a.out:

@@ -22,9 +22,11 @@ S="python3 -m specheads.cli"
 OV=(run_dir=$RUN target.device=$DEVICE "data.sources.6.path=$RUN/data/synthesized.jsonl")
 FRACTIONS=${FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-5e-4,1e-3,2e-3}; BATCHES=1,8,48; NEW=128
 SHAPES=16x256,64x512,128x256,32x1024; VL=80; GL=64
-# COMPILE=1: torch.compile in every stage that decodes or trains; EXTRA_OV: more recipe overrides
+# COMPILE=1: torch.compile the trainer's head step and eval's engine and head (not synthesis or
+# regeneration: their changing prefill shapes made the compiled engine 4-8x slower on 2026-12-01);
+# EXTRA_OV: more recipe overrides
 if [ -n "${COMPILE:-}" ]; then
-  OV+=(data.synthesize.compile=true data.regenerate.compile=true train.compile=true eval.compile=true)
+  OV+=(train.compile=true eval.compile=true)
 fi
 OV+=(${EXTRA_OV:-})
 if [ -n "${SMALL:-}" ]; then

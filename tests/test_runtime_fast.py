@@ -557,15 +557,20 @@ def test_continuous_batching_equals_one_at_a_time(llama, temperature):
         r = generate(m, [p], n, seed=[100 + i], stop_token_ids=[3, 27, 43] if i % 2 else (), **kw)
         alone.append((r.tokens[0], r.finish_reasons[0]))
     assert any(why == "stop" for _, why in alone) and any(why == "length" for _, why in alone)
-    for batch, sync_every in [(1, 8), (3, 4), (4, 1)]:
+    prefills = {}
+    for batch, sync_every, refill_at in [(1, 8, 1), (3, 4, 1), (4, 1, 1), (4, 1, 3)]:
         reqs = [Request(p, n, seed=100 + i, stop_token_ids=[3, 27, 43] if i % 2 else (), tag=i)
                 for i, (p, n) in enumerate(zip(prompts, caps))]
-        got, stats = _continuous(m, reqs, batch, temperature=temperature, top_k=20, sync_every=sync_every)
-        assert got == alone, (batch, sync_every)
+        got, stats = _continuous(m, reqs, batch, temperature=temperature, top_k=20, sync_every=sync_every,
+                                 refill_at=refill_at)
+        assert got == alone, (batch, sync_every, refill_at)
         assert stats["requests"] == 9 and stats["tokens"] == sum(len(t) for t, _ in alone)
-    # slots are refilled: fewer decode steps than fixed batches that wait for their longest row
-    fixed = sum(max(caps[i:i + 3]) - 1 for i in range(0, 9, 3))
-    assert stats["steps"] < fixed
+        prefills[refill_at] = stats["prefills"]
+        if (batch, refill_at) == (3, 1):
+            # slots are refilled: fewer decode steps than fixed batches that wait for their longest row
+            assert stats["steps"] < sum(max(caps[i:i + 3]) - 1 for i in range(0, 9, 3))
+    # free slots gathered before a refill: fewer, larger prefills, the same tokens
+    assert prefills[3] < prefills[1]
 
 
 def test_continuous_follow_ups_and_refusals(llama):
@@ -586,3 +591,5 @@ def test_continuous_follow_ups_and_refusals(llama):
         generate_continuous(m, [Request([1] * 150, 20)], lambda *a: None, batch_size=2)
     with pytest.raises(ValueError, match="batch_size 5"):
         generate_continuous(m, [], lambda *a: None, batch_size=5)
+    with pytest.raises(ValueError, match="refill_at must be >= 1"):
+        generate_continuous(m, [], lambda *a: None, batch_size=2, refill_at=0)

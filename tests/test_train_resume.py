@@ -152,3 +152,33 @@ def test_global_batch_must_stay_the_same():
     with pytest.raises(ResumeMismatchError) as ei:  # other differences are listed beside it
         compare_fingerprints(_fingerprint(2, 1), {**_fingerprint(1, 1), "train.lr": 2e-3}, "ck")
     assert "train.lr" in str(ei.value) and "train.grad_accum=2" in str(ei.value)
+
+
+def test_adam_steps_follow_their_parameters_after_a_load():
+    """DeepSpeed's universal loader leaves each Adam ``step`` a CPU tensor; torch's fused AdamW (the
+    trainer's fallback) refuses a step that is not beside its parameter, as fp32 (seen on 2 H200s)."""
+    import torch
+
+    from specheads.train.checkpoint import steps_to_param_device
+
+    class Wrapper:                                       # DeepSpeed's ZeRO optimizers hold torch's as .optimizer
+        def __init__(self, opt):
+            self.optimizer = opt
+
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    fused = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    sum(p.sum() for p in params).backward()
+    fused.step()
+    for p in params:                                     # as the universal loader writes it
+        fused.state[p]["step"] = torch.tensor(float(fused.state[p]["step"]), dtype=torch.float64)
+    fused.state[params[1]]["step"] = 1                   # or as a plain number
+    fused.param_groups[0]["params"] = []                 # and as ZeRO-3 leaves the groups after its load
+    assert steps_to_param_device(Wrapper(fused)) == 2
+    fused.param_groups[0]["params"] = params
+    assert all(fused.state[p]["step"].dtype == torch.float32 and fused.state[p]["step"].device == p.device
+               for p in params)
+    fused.step()                                         # and the next step runs
+    assert steps_to_param_device(Wrapper(fused)) == 0    # nothing left to move
+    plain = torch.optim.AdamW(params, lr=1e-3)           # not fused: steps stay where torch keeps them
+    plain.step()
+    assert steps_to_param_device(plain) == 0

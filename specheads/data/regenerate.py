@@ -129,7 +129,7 @@ def run_regenerate(recipe, target=None) -> dict:
                       drafter=drafter, k=g.k, rule="onehot" if sampling else "greedy", temperature=g.temperature,
                       top_k=g.top_k, top_p=g.top_p, seed=recipe.seed, max_prompt_tokens=g.max_prompt_tokens,
                       use_cuda_graphs=engine.device.type == "cuda", on_done=on_done, progress=move_bar,
-                      continuous=True)
+                      continuous=True, refill_at=g.refill_at)
     finally:
         f.close()
         move_bar()

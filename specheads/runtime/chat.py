@@ -52,7 +52,7 @@ def chat_generate(engine, tokenizer, conversations: list[dict], *, max_new_token
                   top_k: int = 0, top_p: float = 1.0, thresholds=(1.0, 1.0), seed: int = 0,
                   max_prompt_tokens: int | None = None, use_cuda_graphs: bool = False,
                   on_done=None, progress=None, continuous: bool = False,
-                  sync_every: int = 8) -> tuple[list[ChatResult], float]:
+                  sync_every: int = 8, refill_at: int = 1) -> tuple[list[ChatResult], float]:
     """Answer every user turn of every conversation; returns (results in input order, wall
     seconds in generation).
 
@@ -60,7 +60,8 @@ def chat_generate(engine, tokenizer, conversations: list[dict], *, max_new_token
     is called as each conversation completes (regeneration writes it out at once).
     Conversations whose rendered prompt exceeds ``max_prompt_tokens`` get ``finish_reasons
     == ["skipped:overlong"]`` and no answer. ``continuous``: continuous batching over
-    ``batch_size`` slots, finished rows looked for every ``sync_every`` steps; it decodes
+    ``batch_size`` slots, finished rows looked for every ``sync_every`` steps and free slots
+    refilled once ``refill_at`` are free (``ContinuousGeneration``); it decodes
     plainly, so with a drafter the fixed batches run instead. Its results carry no per-step
     records (plain decoding emits one token per forward).
     """
@@ -68,7 +69,7 @@ def chat_generate(engine, tokenizer, conversations: list[dict], *, max_new_token
         return _chat_continuous(engine, tokenizer, conversations, max_new_tokens=max_new_tokens,
                                 batch_size=batch_size, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_prompt_tokens=max_prompt_tokens, use_cuda_graphs=use_cuda_graphs,
-                                on_done=on_done, progress=progress, sync_every=sync_every)
+                                on_done=on_done, progress=progress, sync_every=sync_every, refill_at=refill_at)
     results: list[ChatResult] = []
     gen_seconds = 0.0
     for start in range(0, len(conversations), batch_size):
@@ -132,7 +133,7 @@ def _conversation(c: dict, state: ChatResult, tokenizer, eos, max_prompt_tokens,
 
 
 def _chat_continuous(engine, tokenizer, conversations, *, max_new_tokens, batch_size, temperature, top_k, top_p,
-                     seed, max_prompt_tokens, use_cuda_graphs, on_done, progress, sync_every):
+                     seed, max_prompt_tokens, use_cuda_graphs, on_done, progress, sync_every, refill_at):
     states = []
     for c in conversations:
         msgs = [{"role": "system", "content": c["system"]}] if c.get("system") else []
@@ -142,7 +143,8 @@ def _chat_continuous(engine, tokenizer, conversations, *, max_new_tokens, batch_
              for i, c in enumerate(conversations))
     stats = generate_flows(engine, flows, lambda i: on_done(states[i]) if on_done is not None else None,
                            on_tokens=progress, batch_size=batch_size, temperature=temperature, top_k=top_k,
-                           top_p=top_p, use_cuda_graphs=use_cuda_graphs, sync_every=sync_every)
+                           top_p=top_p, use_cuda_graphs=use_cuda_graphs, sync_every=sync_every,
+                           refill_at=refill_at)
     return states, stats["seconds"]
 
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from specheads.errors import SpecheadsError
 
-from .model import TargetModel, build_attn_mask, kv_write_index, round_up
+from .model import TargetModel, allow_recompiles, build_attn_mask, kv_write_index, round_up
 from .tree import DraftTree, Expansion, TreeConfig, build_dynamic_tree
 from .verify import sample_inverse_cdf, target_probs
 
@@ -353,6 +353,7 @@ class HeadDrafter(Drafter):
         a draft step is a few hundred small kernels eagerly, and drafting k of them per target
         forward is what makes a head's speedup fall short of its tau (issue 14)."""
         compile_kwargs.setdefault("dynamic", True)     # as TargetModel.compile_layers
+        allow_recompiles()
         self._forward = torch.compile(self.head.forward_step, **compile_kwargs)
         return self
 

@@ -57,7 +57,7 @@ import torch
 
 from .drafters import DraftContext, Drafter, Verified
 from .metrics import StepRecord, summarize
-from .model import ForwardOutput, TargetModel, round_up
+from .model import ForwardOutput, TargetModel, prefill_attention, round_up
 from .tree import DraftTree, TreeConfig
 from .verify import CHAIN_RULES, RULES, TREE_RULES, sample_inverse_cdf, target_probs, verify_chain, verify_tree
 
@@ -349,8 +349,9 @@ class Generation:
         lens = torch.tensor(lens_l, device=dev)
         ids = _left_aligned(self.prompts, T).to(dev)
         want_states = self.drafter is not None and (self.aux_ids or self.need_final)
-        out = m(ids, aux_layer_ids=self.aux_ids, return_final=self.need_final,
-                logits_index=None if want_states else (lens - 1)[:, None], kv_len=T)
+        with prefill_attention(m):
+            out = m(ids, aux_layer_ids=self.aux_ids, return_final=self.need_final,
+                    logits_index=None if want_states else (lens - 1)[:, None], kv_len=T)
         rows = torch.arange(B, device=dev)
         last_logits = out.logits[rows, lens - 1] if want_states else out.logits[:, 0]
         m.set_lengths(lens)
@@ -637,11 +638,16 @@ class ContinuousGeneration(Generation):
 
     A request's output does not depend on its neighbours or slot: its prefill and decode rows
     compute the same as alone, and its uniforms come from its own generator in its own order
-    (``_join_uniforms``)."""
+    (``_join_uniforms``).
+
+    ``refill_at``: free slots wait until at least this many are free (or no row is left) before
+    they are refilled. A prefill has a fixed cost (one eager forward through every layer, tens of
+    ms on a GPU, against a few ms per graphed decode step), so refilling one slot at a time can
+    cost more than the idle slots it saves; outputs do not change."""
 
     def __init__(self, model: TargetModel, batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, use_cuda_graphs: bool = False, sync_every: int = 8,
-                 prefill_tokens: int = 32768):
+                 prefill_tokens: int = 32768, refill_at: int = 1):
         B = batch_size or model.max_batch
         if not 1 <= B <= model.max_batch:
             raise ValueError(f"batch_size {B} must be in 1..engine max_batch {model.max_batch}")
@@ -649,11 +655,13 @@ class ContinuousGeneration(Generation):
             raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got {temperature}, {top_k}, {top_p}")
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if refill_at < 1:
+            raise ValueError(f"refill_at must be >= 1, got {refill_at}")
         rule = "onehot" if temperature > 0 else "greedy"
         self._setup(model, B, None, 0, None, rule, temperature, top_k, top_p, (1.0, 1.0), use_cuda_graphs,
                     [torch.Generator() for _ in range(B)], records=8, max_stops=MAX_STOP_IDS,
                     histories=[[] for _ in range(B)])
-        self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
+        self.sync_every, self.prefill_tokens, self.refill_at = sync_every, prefill_tokens, min(refill_at, B)
         self.slot_req: list[Request | None] = [None] * B
         self.stats.update(requests=0, tokens=0, steps=0, prefills=0, syncs=0)
 
@@ -666,7 +674,7 @@ class ContinuousGeneration(Generation):
         self._reset()
         while True:
             live, longest, room = self._harvest()
-            if self._admit():
+            if self._admit(live):
                 continue                 # harvest again: a new row may have finished at its first token
             if not live:
                 return
@@ -738,9 +746,12 @@ class ContinuousGeneration(Generation):
             raise ValueError(f"{len(r.stop_token_ids)} stop ids > {MAX_STOP_IDS}")
         return r
 
-    def _admit(self) -> bool:
-        """Refill the free slots from the queue (follow-ups first); False when nothing came in."""
+    def _admit(self, live: int) -> bool:
+        """Refill the free slots from the queue (follow-ups first) once ``refill_at`` are free or
+        no row is left; False when nothing came in."""
         free = [b for b in range(self.B) if self.slot_req[b] is None]
+        if live and len(free) < self.refill_at:
+            return False
         new: list[Request] = []
         while len(new) < len(free):
             r = self._next()
@@ -768,7 +779,8 @@ class ContinuousGeneration(Generation):
         lens = torch.tensor(lens_l, device=dev)
         ids = _left_aligned([r.prompt for r in reqs], T).to(dev)
         m.cache.lengths[rows] = 0
-        out = m(ids, logits_index=(lens - 1)[:, None], kv_len=T, rows=rows)
+        with prefill_attention(m):
+            out = m(ids, logits_index=(lens - 1)[:, None], kv_len=T, rows=rows)
         m.cache.lengths[rows] = lens
         for b, r in zip(slots, reqs):
             self.gens[b] = torch.Generator().manual_seed(int(r.seed))
@@ -810,13 +822,14 @@ class ContinuousGeneration(Generation):
 def generate_continuous(model: TargetModel, requests: Iterable[Request],
                         on_finish: Callable[[Request, list[int], str], Request | None], *,
                         batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                        use_cuda_graphs: bool = False, sync_every: int = 8) -> dict:
+                        use_cuda_graphs: bool = False, sync_every: int = 8, refill_at: int = 1) -> dict:
     """Plain decoding with continuous batching (see ``ContinuousGeneration``); returns counts
     (requests, tokens, steps, prefills, host syncs, graph replays) and ``seconds``.
 
     Greedy outputs equal ``generate`` of each request alone; sampled ones (one-hot rule, the
     request's ``seed``) too, up to the kernels' batch invariance."""
-    gen = ContinuousGeneration(model, batch_size, temperature, top_k, top_p, use_cuda_graphs, sync_every)
+    gen = ContinuousGeneration(model, batch_size, temperature, top_k, top_p, use_cuda_graphs, sync_every,
+                               refill_at=refill_at)
     t0 = time.perf_counter()
     gen.serve(requests, on_finish)
     _sync(model.device)

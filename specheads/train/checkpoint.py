@@ -253,10 +253,33 @@ def load_checkpoint(engine, tag_dir: Path, rank: int, world_size: int, zero_stag
                                      load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {src}")
+    steps_to_param_device(engine.optimizer)
     f = tag_dir / f"rank_{rank if saved_world == world_size else 0}.pt"
     if not f.is_file():
         raise ResumeMismatchError(f"{tag_dir} has no {f.name}: the checkpoint is incomplete")
     return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def steps_to_param_device(optimizer) -> int:
+    """Put each parameter's Adam ``step`` beside the parameter, as fp32; returns how many moved.
+
+    DeepSpeed's universal-checkpoint loader writes ``step`` as a CPU tensor, and torch's fused
+    AdamW (the fallback when DeepSpeed's own cannot be built) then fails its first step with
+    "state_steps is on cpu" (seen on 2 H200s, ZeRO-3 resumed on another GPU count). torch's own
+    ``load_state_dict`` makes the same move for fused optimizers."""
+    inner = getattr(optimizer, "optimizer", optimizer)       # DeepSpeed's ZeRO/bf16 wrapper holds torch's
+    if not isinstance(inner, torch.optim.Optimizer) or not inner.defaults.get("fused"):
+        return 0
+    moved = 0
+    # by state, not by param_groups: ZeRO-3 empties the groups' params between its sub-group steps
+    for p, st in inner.state.items():
+        step = st.get("step")
+        if step is None or not torch.is_tensor(p):
+            continue
+        if not torch.is_tensor(step) or step.device != p.device or step.dtype != torch.float32:
+            st["step"] = torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(())
+            moved += 1
+    return moved
 
 
 def _barrier():
