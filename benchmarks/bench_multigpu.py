@@ -202,6 +202,8 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "bf16_matmul_peak_tflops": peak / 1e12,
         "tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s / world,
         "mfu": per_token * tok_s / (peak * world), "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None,
+        # head weights + fp32 masters + Adam moments on this GPU (what ZeRO partitions), before any activation
+        "state_mem_gib": summary.get("state_memory_gib"),
         "losses": [r["loss"] for r in train_rows], "resumed_at_step": start or None,
         "wall_s": wall, "final_dir": summary["final_dir"],
         "checkpoint": summary["checkpoint"],
@@ -209,8 +211,9 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.tag}.rank{rank}.json").write_text(json.dumps(res, indent=1))
     if rank == 0:
-        print(f"{args.tag}: {tok_s:,.0f} tok/s on {world} GPU(s), MFU {res['mfu']:.1%}, peak {res['peak_mem_gib'] or 0:.1f} GiB "
-              f"(rank 0), loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}", flush=True)
+        print(f"{args.tag}: {tok_s:,.0f} tok/s on {world} GPU(s), MFU {res['mfu']:.1%}, peak {res['peak_mem_gib'] or 0:.1f} GiB, "
+              f"trained state {res['state_mem_gib'] or 0:.2f} GiB (rank 0), loss {res['losses'][0]:.3f} -> "
+              f"{res['losses'][-1]:.3f}", flush=True)
     return 0
 
 

@@ -7,7 +7,7 @@
 # head and hybrid rows), DTYPE=float32|bfloat16 (default bfloat16), NEW=<new tokens> (default 128),
 # BATCHES (default 1,8,48), ENGINES (default eager,compiled: both engines timed in one run, each one profiled),
 # DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
-# Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile.txt, timeline.txt.
+# Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile_*.txt, timeline.txt.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -34,18 +34,20 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 # 2. the benchmark: every drafter at batch 1, 8, 48 with CUDA graphs (table to .md, rows to .json, plot .png)
-stage bench 200 "$OUT/bench_runtime.md" \
+stage bench 400 "$OUT/bench_runtime.md" \
   python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$BATCHES" \
   --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$ENGINES" --out "$OUT/bench_runtime.json" \
   --plot "$OUT/bench_runtime.png"
 grep -E '^\|' "$OUT/bench_runtime.md" | tee -a "$OUT/timeline.txt"
 
-# 3. the profile of each engine: one plain and one drafted step at batch 1 (kernel table; ms per step with and
-#    without graphs)
+# 3. the profile of each engine: one plain and one drafted step at batch 1 and 8 (PROFILE_BATCHES; kernel
+#    table; ms per step with and without graphs)
 for eng in ${ENGINES//,/ }; do
-  stage "profile_$eng" 240 "$OUT/profile_$eng.txt" \
-    python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches 1 \
-    --new-tokens 64 ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$eng" --profile-only --out "$OUT/profile_$eng.json"
-  grep -E '^### Profile' "$OUT/profile_$eng.txt" | tee -a "$OUT/timeline.txt"
+  for pb in ${PROFILE_BATCHES:-1 8}; do
+    stage "profile_${eng}_b$pb" 240 "$OUT/profile_${eng}_b$pb.txt" \
+      python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$pb" \
+      --new-tokens 64 ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$eng" --profile-only --out "$OUT/profile_${eng}_b$pb.json"
+    grep -E '^### Profile' "$OUT/profile_${eng}_b$pb.txt" | tee -a "$OUT/timeline.txt"
+  done
 done
 log done

@@ -7,7 +7,7 @@
 #   2. benchmarks/bench_generate.py at batch 256, refilling free slots at 1, 16 and 64 free (issue 12;
 #      GEN_MODES="refill1 compiled" adds the compiled engine: 4x slower than eager on 2026-12-01);
 #   3. benchmarks/bench_train.py, the SmolLM2 head at TTT 7, eager and compiled (issue 13).
-# About 12 minutes. Expects the GGUF at $GGUF and the project's wheels on PYTHONPATH, like
+# About 14 minutes. Expects the GGUF at $GGUF and the project's wheels on PYTHONPATH, like
 # benchmarks/h200_reference.sh. Writes to ${OUT:-out}; DEVICE=cpu SMALL=1 smoke-tests the script.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"

@@ -326,6 +326,7 @@ class Run:
     fingerprint: dict  # what a resumed run must share with its checkpoint
     t_start: float
     logger: RunLogger | None = None
+    state_bytes: int | None = None  # device memory DeepSpeed's initialize took: head weights, fp32 masters, Adam
 
     @property
     def cfg(self):
@@ -432,13 +433,16 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     ds_cfg = deepspeed_config(recipe, precision)
     if tcfg.resume and ckpt.needs_universal(ckpt.latest_checkpoint(train_dir), world, tcfg.zero_stage):
         ds_cfg["checkpoint"] = {"load_universal": True}  # _resume re-shards ZeRO states written on another world size
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     engine, _, scheduler = _initialize(objective, ds_cfg, sched, tcfg, device, rank)
+    # this rank's share of the trained state (ZeRO partitions it), before any activation exists
+    state_bytes = torch.cuda.memory_allocated(device) - before if before is not None else None
     identity = dict(target.identity())
     return Run(recipe=recipe, rank=rank, world=world, device=device, train_dir=train_dir, precision=precision,
                built=built, feed=feed, eval_feed=eval_feed, total=total, K=K, target_logits=target_logits,
                target_hidden=int(target.hidden_size), engine=engine, scheduler=scheduler, identity=identity,
                fingerprint=ckpt.resume_fingerprint(recipe, identity, built.d2t, world, precision),
-               t_start=t_start)
+               t_start=t_start, state_bytes=state_bytes)
 
 
 def _resume(run: Run) -> int | None:
@@ -608,6 +612,7 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
         "tokens": tokens_total, "elapsed_s": elapsed, "train_loop_s": loop_s,
         "tokens_per_s": tokens_total / max(1e-9, loop_s),
         "precision": run.precision, "world_size": run.world, "epochs_seen": batches.epoch + 1,
+        "state_memory_gib": run.state_bytes / 2 ** 30 if run.state_bytes is not None else None,
     }
 
 
