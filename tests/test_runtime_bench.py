@@ -36,6 +36,7 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
         (b, d) for b in (1, 2) for d in ("plain", "ngram", "head", "hybrid")]
     for r in rows:
         assert r["tokens"] == 6 * r["batch"] and r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+        assert r["decode_tokens_per_s"] > 0 and 0 < r["prefill_s"] < r["seconds"]
         assert abs(r["speedup"] - r["tokens_per_s"] / r["plain_tokens_per_s"]) < 1e-9
         assert abs(r["speedup_over_tau"] - r["speedup"] / r["tau"]) < 1e-9
         assert r["drafter"] == "plain" or r["lossless"] is True
