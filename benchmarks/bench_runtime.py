@@ -157,6 +157,10 @@ class RecompileLimitHits(logging.Handler):
         if "recompile_limit" in msg:
             self.hits.append(msg.splitlines()[1].strip() if "\n" in msg else msg)
 
+    def detach(self) -> list[str]:
+        logging.getLogger("torch._dynamo.convert_frame").removeHandler(self)
+        return self.hits
+
 
 # ------------------------------------------------------------------------------ profile
 def _sort_key(dev):
@@ -207,7 +211,7 @@ def markdown(res) -> str:
                    if r["drafter"] == "plain" and r.get("engine", "eager") == res.get("engines", ["eager"])[0]}
     for r in res["rows"]:
         lines.append(f"| {r.get('engine', 'eager')} | {r['batch']} | {r['drafter']} | {r['tau']:.2f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r.get('decode_tokens_per_s', 0):,.0f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
                      f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | "
                      f"{r['speedup_over_tau']:.2f} | {r['tokens_per_s'] / eager_plain[r['batch']]:.2f}× |")
     if res.get("hf"):
@@ -314,12 +318,12 @@ def main(argv=None):
                     drafters.append((f"hybrid (min_match {a.min_match})",
                                      lambda h=head: make_drafter("hybrid", h, min_match=a.min_match)))
         engines[eng] = (m, drafters)
-    limit_hits = RecompileLimitHits()
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,
            "min_match": a.min_match, "torch": torch.__version__, "engines": engine_names, "rows": [], "hf": {}}
 
     if not a.profile_only:
+        limit_hits = RecompileLimitHits()
         reference = {}                            # batch -> the first engine's plain outputs
         for eng, (m, drafters) in engines.items():
             for B in batches:
@@ -344,7 +348,7 @@ def main(argv=None):
                       f"compilation)", flush=True)
         print()
         print(markdown(res))
-        res["recompile_limit_hits"] = limit_hits.hits
+        res["recompile_limit_hits"] = limit_hits.detach()
         if "compiled" in engine_names:
             print(f"\ntorch.compile recompile limit hit {len(limit_hits.hits)} time(s)"
                   + (f" ({'; '.join(limit_hits.hits)}): those shapes ran eagerly" if limit_hits.hits else ""))

@@ -101,7 +101,7 @@ class SynthesizeConfig(_Section):
     min_chars: int = Field(12, ge=1)  # a user turn shorter than this is dropped
     max_chars: int = Field(12000, ge=1)  # ... and one longer than this
     dedup_threshold: float = Field(0.6, gt=0.0, le=1.0)  # near-duplicate: Jaccard of word 3-grams ≥ this
-    compile: bool = False  # torch.compile the engine's layers; slower here on the H200 (BENCHMARKS.md)
+    compile: bool = False  # torch.compile the engine's layers; slower on the H200 (BENCHMARKS.md)
     refill_at: int = Field(1, ge=1)  # continuous batching: free slots gathered before one prefill refills them
     out: str | None = None  # default: {run_dir}/data/synthesized.jsonl
 

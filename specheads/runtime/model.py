@@ -195,9 +195,9 @@ def prefill_attention(model: "TargetModel"):
     cuDNN's attention builds a plan per shape (the likely cause): on the H200 (2026-12-01)
     regeneration and synthesis spent 5.0 s of their ~17 s on the host in 3,900 prefill attention
     calls (1.3 ms each). Decode steps keep cuDNN: their few shapes are captured once in CUDA
-    graphs. Only the prompt's own
-    forward changes kernel, the same for a drafted and a plain run, so outputs stay identical
-    between them. A compiled engine keeps what it traced (no switch under torch.compile)."""
+    graphs. Only the prompt's own forward changes kernel, the same for a drafted and a plain run,
+    so outputs stay identical between them. A compiled engine keeps what it traced (no switch
+    under torch.compile)."""
     if model.device.type != "cuda" or model.compiled:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
