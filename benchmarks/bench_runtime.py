@@ -17,7 +17,8 @@ column is tokens/s over the first engine's plain decoding. Prints a Markdown tab
 with .png) a plot of speedup against batch size per drafter.
 
 ``--profile``: a torch.profiler table of one plain and one drafted decode step at the first --batches size
-(eager, so the kernels are visible), and the time per step with and without CUDA graphs.
+on the last --engines engine (without graphs, so the kernels are visible), and the time per step with and
+without CUDA graphs.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ QUESTIONS = [
     "Write a bash one-liner that counts the lines of every .py file in a directory.",
 ]
 DRAFTERS = ("plain", "ngram", "head", "hybrid")
+# engine name -> torch.compile options for the target's layers and the head's step (None: eager). At batch 1
+# a compiled decode step is ~50% cuBLAS GEMMs of ~3.8 us each for ~1.7 MB of weights (launch-latency bound,
+# H200 2026-12-01): max-autotune lets Inductor time its own Triton GEMMs against them for these shapes.
+ENGINES = {"eager": None, "compiled": {}, "autotune": {"mode": "max-autotune-no-cudagraphs"}}
 
 
 def sync(dev):
@@ -205,15 +210,16 @@ def markdown(res) -> str:
     lines = [f"### Decode speed, {res['target']}, {res['device']}, {res['dtype']}, graphs={res['cuda_graphs']}, "
              f"{res['new_tokens']} new tokens, greedy, k={res['k']}", "",
              "| engine | batch | drafter | τ | tok/s | tok/s after prefill | plain tok/s | speedup | speedup ÷ τ | "
-             "tok/s ÷ eager plain |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "speedup after prefill ÷ τ | tok/s ÷ eager plain |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     eager_plain = {r["batch"]: r["tokens_per_s"] for r in res["rows"]
                    if r["drafter"] == "plain" and r.get("engine", "eager") == res.get("engines", ["eager"])[0]}
     for r in res["rows"]:
         lines.append(f"| {r.get('engine', 'eager')} | {r['batch']} | {r['drafter']} | {r['tau']:.2f} | "
                      f"{r['tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
                      f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | "
-                     f"{r['speedup_over_tau']:.2f} | {r['tokens_per_s'] / eager_plain[r['batch']]:.2f}× |")
+                     f"{r['speedup_over_tau']:.2f} | {r.get('decode_speedup_over_tau', float('nan')):.2f} | "
+                     f"{r['tokens_per_s'] / eager_plain[r['batch']]:.2f}× |")
     if res.get("hf"):
         lines += ["", "| batch | HF generate tok/s | engine plain tok/s | engine ÷ HF |", "|---:|---:|---:|---:|"]
         for b, hf in res["hf"].items():
@@ -267,11 +273,12 @@ def main(argv=None):
     ap.add_argument("--drafters", default=",".join(DRAFTERS),
                     help=f"comma list of {DRAFTERS} (head/hybrid need --head)")
     ap.add_argument("--engines", default="eager",
-                    help="comma list of eager,compiled: compiled = torch.compile'd engine layers and head "
-                         "steps (TargetModel.compile_layers, HeadDrafter.compile), timed in the same run")
+                    help="comma list of eager,compiled,autotune: compiled = torch.compile'd engine layers and "
+                         "head steps (TargetModel.compile_layers, HeadDrafter.compile), autotune = the same with "
+                         "Inductor's max-autotune GEMM search; all timed in the same run")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per row (the fastest counts)")
     ap.add_argument("--hf", action="store_true", help="also time Hugging Face generate (plain)")
-    ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at the first --batches size")
+    ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at the first --batches size (last engine)")
     ap.add_argument("--profile-only", action="store_true", help="only the profile (no table)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="PNG of speedup against batch size (default: --out with .png)")
@@ -297,16 +304,16 @@ def main(argv=None):
         target_name = getattr(tgt, "name", a.target)
     max_seq = max(len(p) for p in prompts) + a.new_tokens + a.k + 64
     engine_names = [e.strip() for e in a.engines.split(",") if e.strip()]
-    if not engine_names or set(engine_names) - {"eager", "compiled"}:
-        ap.error(f"--engines: a comma list of eager,compiled; got {a.engines!r}")
+    if not engine_names or set(engine_names) - set(ENGINES):
+        ap.error(f"--engines: a comma list of {','.join(ENGINES)}; got {a.engines!r}")
     graphs = a.cuda_graphs and dev.type == "cuda"
     engines = {}                                  # name -> (engine, [(drafter name, factory)])
     for eng in engine_names:
         m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
         head = load_head(a.head, tgt, m) if a.head else None
-        if eng == "compiled":
-            m.compile_layers()
-            head = head.compile() if head is not None else None
+        if ENGINES[eng] is not None:
+            m.compile_layers(**ENGINES[eng])
+            head = head.compile(**ENGINES[eng]) if head is not None else None
         drafters = []                                            # (name, factory): a fresh drafter per batch
         for name in wanted:
             if name == "ngram":
@@ -338,9 +345,12 @@ def main(argv=None):
                     rows.append((name, r))
                 for name, r in rows:
                     sp = r["tokens_per_s"] / base["tokens_per_s"]
+                    # the same prefill is in both runs' time; the decode speedup is the drafting's own
+                    dsp = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
                     res["rows"].append({"engine": eng, "batch": B, "drafter": name,
                                         "plain_tokens_per_s": base["tokens_per_s"],
                                         "speedup": sp, "speedup_over_tau": sp / r["tau"],
+                                        "decode_speedup": dsp, "decode_speedup_over_tau": dsp / r["tau"],
                                         **{k: v for k, v in r.items() if k != "outputs"}})
                 if a.hf and eng == engine_names[0]:
                     res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
@@ -349,14 +359,14 @@ def main(argv=None):
         print()
         print(markdown(res))
         res["recompile_limit_hits"] = limit_hits.detach()
-        if "compiled" in engine_names:
+        if any(ENGINES[e] is not None for e in engine_names):
             print(f"\ntorch.compile recompile limit hit {len(limit_hits.hits)} time(s)"
                   + (f" ({'; '.join(limit_hits.hits)}): those shapes ran eagerly" if limit_hits.hits else ""))
         lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
         print(f"\ngreedy outputs identical to plain (eager) decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
 
     if a.profile or a.profile_only:
-        m, drafters = engines[engine_names[0]]
+        m, drafters = engines[engine_names[-1]]              # the last engine: the one under study
         chosen = [("plain", None)]
         for name, make in drafters[::-1]:                   # the last requested drafter (hybrid > head > ngram)
             chosen.append((name, make()))

@@ -39,8 +39,10 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
         assert r["decode_tokens_per_s"] > 0 and 0 < r["prefill_s"] < r["seconds"]
         assert abs(r["speedup"] - r["tokens_per_s"] / r["plain_tokens_per_s"]) < 1e-9
         assert abs(r["speedup_over_tau"] - r["speedup"] / r["tau"]) < 1e-9
+        plain = next(p for p in rows if p["batch"] == r["batch"] and p["drafter"] == "plain")
+        assert abs(r["decode_speedup"] - r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]) < 1e-9
         assert r["drafter"] == "plain" or r["lossless"] is True
-    assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text
+    assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text and "speedup after prefill ÷ τ" in text
     assert "Profile: one plain decode step" in text and "Profile: one hybrid" in text
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert res["profile"]["plain"]["eager_ms_per_step"] > 0
