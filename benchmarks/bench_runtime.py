@@ -356,6 +356,9 @@ def main(argv=None):
                     res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
                 print(f"{eng} engine, batch {B} done ({time.perf_counter() - t0:.0f} s with warm-up and "
                       f"compilation)", flush=True)
+                if a.out:                 # what is measured so far survives a run cut short by a time limit
+                    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(a.out).write_text(json.dumps(res, indent=2))
         print()
         print(markdown(res))
         res["recompile_limit_hits"] = limit_hits.detach()

@@ -267,8 +267,14 @@ class Layer(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
 
-    def forward(self, x, cos, sin_s, k_cache, v_cache, cache_index, mask, kv_len, rows=None):
-        """x [B, T, H]; cos / sin_s [B, T, 1, D] in x's dtype (``signed_sin``); mask: additive
+    def forward(self, x, delta, cos, sin_s, k_cache, v_cache, cache_index, mask, kv_len, rows=None):
+        """The layer's input is ``x + delta`` (``delta`` None: ``x``): the previous layer's MLP output is
+        added here, not there, so that under torch.compile the residual add and this layer's RMSNorm
+        are one kernel (vLLM's fused add-norm; one launch fewer per layer in a launch-bound decode step).
+        Returns ``(x_in, x_mid, delta_out)``: the layer's input (HF's hidden state before this layer),
+        the residual after attention, and the MLP's output, still to be added.
+
+        x, delta [B, T, H]; cos / sin_s [B, T, 1, D] in x's dtype (``signed_sin``); mask: additive
         [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [max_batch, KvH, slots, D];
         ``cache_index`` (``kv_write_index``) where the T new K/V go; ``rows`` [B] the
         cache row of each x row (None: the first B rows).
@@ -277,6 +283,8 @@ class Layer(nn.Module):
         and fuses it with RoPE, where a scatter into a graph input costs a copy of the whole
         layer cache per call."""
         a = self.a
+        if delta is not None:
+            x = x + delta
         B, T, _ = x.shape
         nh, nkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         h = rms_norm(x, self.input_norm, a.rms_norm_eps)
@@ -296,10 +304,10 @@ class Layer(nn.Module):
         else:                       # rows anywhere in the cache (refilled slots): read them by index
             keys, values = k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
         o = grouped_attention(qk[:, :, :nh], keys, values, mask)
-        x = x + self.wo(o)
-        h = rms_norm(x, self.post_norm, a.rms_norm_eps)
+        x_mid = x + self.wo(o)
+        h = rms_norm(x_mid, self.post_norm, a.rms_norm_eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        return x, x_mid, self.w_down(F.silu(gate) * up)
 
 
 class TargetModel(nn.Module):
@@ -485,12 +493,12 @@ class TargetModel(nn.Module):
         L = self.args.num_layers
         index = kv_write_index(write_pos, a.num_kv_heads, rows)
         captured = {}
-        x = self.embed(input_ids)
+        x, delta = self.embed(input_ids), None
         for i, layer in enumerate(self.layers):
+            x_in, x, delta = layer(x, delta, cos, sin_s, c.k[i], c.v[i], index, mask, kv_len, rows)
             if i in want:
-                captured[i] = x
-            x = layer(x, cos, sin_s, c.k[i], c.v[i], index, mask, kv_len, rows)
-        final = rms_norm(x, self.norm, self.args.rms_norm_eps)
+                captured[i] = x_in
+        final = rms_norm(x + delta, self.norm, self.args.rms_norm_eps)
         captured[L] = final
         aux = torch.cat([captured[int(i)] for i in aux_layer_ids], -1) if len(aux_layer_ids) else None
         logits = None
