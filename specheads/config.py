@@ -350,8 +350,9 @@ class Recipe(_Section):
             return {**upstream, "data.regenerate.enabled": d.regenerate.enabled, "data.max_length": d.max_length,
                     "data.holdout_fraction": d.holdout_fraction}
         if stage == "synthesize":
-            # not num_prompts (a larger one extends the same file), batch_size, compile or refill_at (no
-            # effect on the output) or out; the seed file's content is recorded by the stage itself
+            # not num_prompts (a larger one extends the same file), batch_size, compile or refill_at (the
+            # same output up to floating-point near-ties) or out; the seed file's content is recorded by
+            # the stage itself
             s = d.synthesize.model_dump(mode="json")
             return {**keys, **{f"data.synthesize.{k}": v for k, v in s.items()
                                if k not in ("num_prompts", "batch_size", "compile", "refill_at", "out")},
