@@ -328,7 +328,9 @@ def main(argv=None):
         engines[eng] = (m, drafters)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,
-           "min_match": a.min_match, "torch": torch.__version__, "engines": engine_names, "rows": [], "hf": {}}
+           "min_match": a.min_match, "torch": torch.__version__, "engines": engine_names, "rows": [], "hf": {},
+           # decode attention: "triton" (kernels.decode_attention) or "torch" (SDPA; SPECHEADS_KERNELS=torch)
+           "attention": next(iter(engines.values()))[0].layers[0].attn_backend}
 
     def save():
         if a.out:

@@ -6,6 +6,7 @@
 # dependencies importable; run from the repository root. Optional: HEAD=<exported head dir> (adds the
 # head and hybrid rows), DTYPE=float32|bfloat16 (default bfloat16), NEW=<new tokens> (default 128),
 # BATCHES (default 1,8,48), ENGINES (default eager,compiled: both engines timed in one run, each one profiled),
+# REPEAT (timed runs per row, the fastest counts; default 1), ATTN_AB=1 (also the last engine with SDPA attention),
 # DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
 # Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile_*.txt, timeline.txt.
 set -u
@@ -29,16 +30,28 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # 1. tests: the CUDA ones, the CPU runtime ones, the verify kernels compiled for the GPU
 if [ -z "${SKIP_TESTS:-}" ]; then
   TRITON_INTERPRET=0 stage tests 270 "$OUT/tests.txt" \
-    python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime.py tests/test_kernels_verify.py
+    python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime.py tests/test_kernels_verify.py \
+    tests/test_kernels_attention.py
   tail -n 3 "$OUT/tests.txt" | tee -a "$OUT/timeline.txt"
 fi
 
 # 2. the benchmark: every drafter at batch 1, 8, 48 with CUDA graphs (table to .md, rows to .json, plot .png)
 stage bench 400 "$OUT/bench_runtime.md" \
   python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$BATCHES" \
-  --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$ENGINES" --out "$OUT/bench_runtime.json" \
+  --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$ENGINES" --repeat "${REPEAT:-1}" \
+  --out "$OUT/bench_runtime.json" \
   --plot "$OUT/bench_runtime.png"
 grep -E '^\|' "$OUT/bench_runtime.md" | tee -a "$OUT/timeline.txt"
+
+# 2b. ATTN_AB=1: the same table (plain and head, batch 1 and 8, last engine) with SDPA's attention instead of
+#     the decode attention kernel (SPECHEADS_KERNELS=torch), in the same sitting
+if [ "${ATTN_AB:-0}" = 1 ]; then
+  stage bench_sdpa 300 "$OUT/bench_runtime_sdpa.md" env SPECHEADS_KERNELS=torch \
+    python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches 1,8 \
+    --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --drafters head --engines "${ENGINES##*,}" \
+    --repeat "${REPEAT:-1}" --out "$OUT/bench_runtime_sdpa.json"
+  grep -E '^\|' "$OUT/bench_runtime_sdpa.md" | tee -a "$OUT/timeline.txt"
+fi
 
 # 3. the profile of each engine: one plain and one drafted step at batch 1 and 8 (PROFILE_BATCHES; kernel
 #    table; ms per step with and without graphs)

@@ -4,9 +4,10 @@
 # speedup ÷ τ is what the runtime goals are about), then
 #   1. benchmarks/h200_runtime.sh: the runtime's GPU tests, plain / n-gram / head / hybrid at batch 1, 8, 48
 #      on the eager and the compiled engine, and a profile of each (issue 14);
-#   2. benchmarks/bench_generate.py at batch 256, refilling free slots at 1, 16 and 64 free (issue 12;
+#   2. benchmarks/bench_generate.py at batch GB (256) over GP (1024) prompts, refilling free slots at 1, 16 and 64 free (issue 12;
 #      GEN_MODES="refill1 compiled" adds the compiled engine: 4x slower than eager on 2026-12-01);
 #   2b. with AUTOTUNE=1, benchmarks/bench_runtime.py, compiled against max-autotune compiled (issue 14);
+#   2c. with SYNTH_PROMPTS=N, `data synthesize` of N prompts (issue 12's 100k goal) at batch SYNTH_BATCH;
 #   3. benchmarks/bench_train.py, the SmolLM2 head at TTT 7, eager and compiled (issue 13; TRAIN_BENCH=0 skips).
 # About 14 minutes. Expects the GGUF at $GGUF and the project's wheels on PYTHONPATH, like
 # benchmarks/h200_reference.sh. Writes to ${OUT:-out}; DEVICE=cpu SMALL=1 smoke-tests the script.
@@ -23,7 +24,7 @@ stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
 R=recipes/smollm2_eagle3.yaml
 DEMO=${DEMO:-/tmp/demo}
 OV=(run_dir=$DEMO target.device=$DEVICE data.regenerate.batch_size=64 train.epochs=4 train.logging.wandb=disabled)
-GB=256; GP=1024; GN=128; SHAPES=64x512,128x256,32x1024; RT=(); SK=()
+GB=${GB:-256}; GP=${GP:-1024}; GN=128; SHAPES=64x512,128x256,32x1024; RT=(); SK=()
 if [ -n "${SMALL:-}" ]; then
   OV+=(data.sources.0.limit=12 train.epochs=1 data.regenerate.max_new_tokens=16 vocab.draft_vocab_size=4096)
   GB=4; GP=8; GN=16; SHAPES=2x64; RT=(NEW=16 BATCHES=1 SKIP_TESTS=1); SK=(--steps 2 --warmup 1)
@@ -43,6 +44,17 @@ for mode in ${GEN_MODES:-refill1 refill16 refill64}; do
     --new-tokens $GN ${flag[@]+"${flag[@]}"} --out "$OUT/bench_generate_$mode.json"
   grep -B1 -A6 -E "^\| run " "$OUT/log.txt" | tail -6 | tee -a "$OUT/timeline.txt"
 done
+# 2c. SYNTH_PROMPTS=N: `data synthesize` of N prompts with the H200 recipe at batch ${SYNTH_BATCH:-1024}, timed end to
+#     end by the stage (its summary JSON and category plot are copied to $OUT)
+if [ -n "${SYNTH_PROMPTS:-}" ]; then
+  SD=/tmp/synth_$SYNTH_PROMPTS
+  LIMIT=${SYNTH_LIMIT:-900} stage "synthesize_$SYNTH_PROMPTS" $S data synthesize recipes/smollm2_eagle3_h200.yaml \
+    run_dir=$SD target.device=$DEVICE data.synthesize.num_prompts=$SYNTH_PROMPTS \
+    data.synthesize.batch_size=${SYNTH_BATCH:-1024}
+  cp $SD/data/synthesize_summary.json "$OUT/synthesize_$SYNTH_PROMPTS.json" 2>/dev/null
+  cp $SD/data/synthesize_categories.png "$OUT/synthesize_${SYNTH_PROMPTS}_categories.png" 2>/dev/null
+  grep -E "^synthesized " "$OUT/log.txt" | tail -1 | tee -a "$OUT/timeline.txt"
+fi
 # 2b. AUTOTUNE=1: Inductor's max-autotune GEMMs against the default compile at batch 1 and 8, profiled at
 #     batch 1. Off by default: on 2026-12-01 autotuning batch 1 took 220 s and batch 8 did not finish in 480 s,
 #     and the autotuner's own timings put its Triton GEMMs within ~5% of cuBLAS for these shapes

@@ -1,4 +1,4 @@
-"""Verification, sampling and loss kernels: Triton kernels beside PyTorch twins.
+"""Verification, sampling, loss and decode-attention kernels: Triton kernels beside PyTorch twins.
 
 Each public function dispatches on ``backend``:
 
@@ -26,13 +26,13 @@ import warnings
 
 import torch
 
-from . import sampling_ref, soft_ce_ref, verify_ref
-from ._common import GREEDY_EPS, TreeVerifyOutput, VerifyOutput
+from . import attention_ref, sampling_ref, soft_ce_ref, verify_ref
+from ._common import GREEDY_EPS, TreeVerifyOutput, VerifyOutput, attention_supported
 
 __all__ = [
     "VerifyOutput", "TreeVerifyOutput", "GREEDY_EPS", "triton_available", "resolve_backend",
     "target_probs", "greedy_verify", "rejection_verify", "onehot_verify", "tree_verify",
-    "soft_cross_entropy", "soft_cross_entropy_and_accuracy",
+    "soft_cross_entropy", "soft_cross_entropy_and_accuracy", "decode_attention", "attention_supported",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -151,3 +151,37 @@ def soft_cross_entropy_and_accuracy(draft_logits: torch.Tensor, target_logits: t
     """(loss float32 [...], agree bool [...]) where agree = argmax(draft) == argmax(target),
     lowest index on ties."""
     return _impl("soft_ce", backend, draft_logits).soft_cross_entropy_and_accuracy(draft_logits, target_logits)
+
+
+# ---------------------------------------------------------------------------- decode attention
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, kv_len: int,
+                     rows: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """Attention of T new tokens over one layer's static KV cache -> o [B, T, H*D] (see ``attention_ref``).
+
+    q [B, T, H, D]; k_cache / v_cache [max_batch, KvH, slots, D], batch row b reading cache row
+    ``rows[b]`` (None: b) up to slot ``kv_len``; additive mask [B, 1, G*T, kv_len], G = H // KvH.
+    Shapes the kernel does not take (``attention_supported``: prefills) run the reference on any
+    backend. Under ``torch.compile`` the kernel is the custom op ``specheads::decode_attention``
+    (opaque to Inductor, captured in CUDA graphs like any kernel); pass ``backend`` resolved
+    ("triton" / "torch") there, as the runtime does, so that nothing is decided while tracing."""
+    if resolve_backend(backend, q) == "triton" and attention_supported(q.shape, k_cache.shape[1]):
+        if torch.compiler.is_compiling():
+            return torch.ops.specheads.decode_attention(q, k_cache, v_cache, mask, kv_len, rows)
+        from . import attention_triton
+
+        return attention_triton.decode_attention(q, k_cache, v_cache, mask, kv_len, rows)
+    return attention_ref.decode_attention(q, k_cache, v_cache, mask, kv_len, rows)
+
+
+@torch.library.custom_op("specheads::decode_attention", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                         kv_len: int, rows: torch.Tensor | None) -> torch.Tensor:
+    from . import attention_triton
+
+    return attention_triton.decode_attention(q, k_cache, v_cache, mask, kv_len, rows)
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, mask, kv_len, rows):
+    B, T, H, D = q.shape
+    return q.new_empty(B, T, H * D)

@@ -153,3 +153,14 @@ def check_soft_ce(draft_logits, target_logits):
     _need(draft_logits.dim() >= 1 and draft_logits.shape[-1] >= 1, "logits need a vocabulary dimension")
     _need(draft_logits.is_floating_point() and target_logits.is_floating_point(), "logits must be float")
     _need(draft_logits.device == target_logits.device, "draft and target logits on different devices")
+
+
+#: most query rows (G query heads per KV head x T new tokens) the decode attention kernel holds
+ATTENTION_MAX_ROWS = 64
+
+
+def attention_supported(q_shape, kv_heads: int) -> bool:
+    """Shapes the decode attention kernel takes (``q_shape`` = [B, T, H, D]): G*T <= ATTENTION_MAX_ROWS
+    and a power-of-two head dim >= 16; longer inputs (prefills) go to the reference."""
+    _, T, H, D = q_shape
+    return (H // kv_heads) * T <= ATTENTION_MAX_ROWS and D >= 16 and D & (D - 1) == 0

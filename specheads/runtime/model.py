@@ -17,9 +17,10 @@ weights, so the layer is written for few kernels: one fused RMSNorm, RoPE on q a
 together from tables cast to the model dtype once (``x*cos + roll(x)*sin±``, equal to
 HF's ``rotate_half`` form), the attention mask built once per forward as an additive
 mask, and grouped-query attention as plain attention over the KV heads with the query
-heads of a group stacked as extra query rows (no K/V repeat). A forward attends over
-``kv_len`` slots only (rounded up to a multiple of 16, the alignment SDPA's kernels
-want); the cache allocates its slots rounded up the same way.
+heads of a group stacked as extra query rows (no K/V repeat): on a GPU one Triton kernel
+that reads q and the cache in place (``kernels.decode_attention``), SDPA on a CPU and for
+prefills. A forward attends over ``kv_len`` slots only (rounded up to a multiple of 16,
+the alignment SDPA's kernels want); the cache allocates its slots rounded up the same way.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specheads import kernels
 from specheads.heads.config import rope_from_config  # one RoPE config parser and
 from specheads.heads.layers import rope_inv_freq     # one RoPE implementation for heads and engine
+from specheads.kernels import attention_ref
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,13 +166,9 @@ def additive_mask(vis: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> tor
 def grouped_attention(q, k, v, mask):
     """q [B, T, H, D], k/v [B, KvH, S, D], additive mask [B, 1, G*T, S] (G = H // KvH) ->
     [B, T, H*D]. The G query heads sharing a KV head become G*T query rows of one attention
-    over that head (HF's repeat_kv pairing: query head h uses KV head h // G)."""
-    B, T, H, D = q.shape
-    KvH = k.shape[1]
-    G = H // KvH
-    qg = q.reshape(B, T, KvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KvH, G * T, D)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
-    return o.view(B, KvH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+    over that head (HF's repeat_kv pairing: query head h uses KV head h // G). The engine's
+    layers call ``kernels.decode_attention`` (the same maths over the cache in place)."""
+    return attention_ref.decode_attention(q, k, v, mask, k.shape[2])
 
 
 RECOMPILE_LIMIT = 64
@@ -266,6 +265,8 @@ class Layer(nn.Module):
         if a.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(a.head_dim))
             self.k_norm = nn.Parameter(torch.ones(a.head_dim))
+        # "triton" | "torch", resolved once per device by TargetModel (never while tracing)
+        self.attn_backend = "torch"
 
     def forward(self, x, delta, cos, sin_s, k_cache, v_cache, cache_index, mask, kv_len, rows=None):
         """The layer's input is ``x + delta`` (``delta`` None: ``x``): the previous layer's MLP output is
@@ -299,11 +300,7 @@ class Layer(nn.Module):
         v = qkv[:, :, nh + nkv:].transpose(1, 2)
         k_cache.index_put_(cache_index, k)
         v_cache.index_put_(cache_index, v)
-        if rows is None:
-            keys, values = k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len]
-        else:                       # rows anywhere in the cache (refilled slots): read them by index
-            keys, values = k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
-        o = grouped_attention(qk[:, :, :nh], keys, values, mask)
+        o = kernels.decode_attention(qk[:, :, :nh], k_cache, v_cache, mask, kv_len, rows, backend=self.attn_backend)
         x_mid = x + self.wo(o)
         h = rms_norm(x_mid, self.post_norm, a.rms_norm_eps)
         gate, up = self.w_gate_up(h).chunk(2, dim=-1)
@@ -398,6 +395,11 @@ class TargetModel(nn.Module):
         # HF computes cos/sin in fp32 and casts them to the activation dtype: cast the tables once
         dt = self.embed.weight.dtype
         self.cos_t, self.sin_t = cos.to(dev, dt), signed_sin(sin).to(dev, dt)
+        # decode attention: the Triton kernel on a GPU (one kernel instead of SDPA's re-layout copies,
+        # workspace memset and attention), the PyTorch reference on a CPU (``kernels.resolve_backend``)
+        backend = kernels.resolve_backend("auto", self.cos_t)
+        for layer in self.layers:
+            layer.attn_backend = backend
         self._graphs = None
         self.workspaces = {}
         self._graph_pool = None

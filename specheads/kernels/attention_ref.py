@@ -1,0 +1,36 @@
+"""Decode attention over a static KV cache in plain PyTorch — twin of ``attention_triton``.
+
+``decode_attention(q, k_cache, v_cache, mask, kv_len, rows=None) -> o``:
+
+* ``q`` [B, T, H, D]: the new tokens' queries (RoPE applied; any strides, last dim contiguous);
+* ``k_cache`` / ``v_cache`` [max_batch, KvH, slots, D]: one layer's cache, the new tokens' K/V
+  already written; batch row b reads cache row ``rows[b]`` (``rows`` None: row b), slots < ``kv_len``;
+* ``mask`` [B, 1, G*T, kv_len], additive (0 / -inf) in any float dtype, G = H // KvH query heads
+  per KV head; mask row ``g*T + t`` is query t of group member g (``runtime.model.additive_mask``);
+* ``o`` [B, T, H*D] in q's dtype: softmax(q k^T / sqrt(D) + mask) v with Hugging Face's
+  ``repeat_kv`` pairing (query head h reads KV head h // G).
+
+Every query row must see at least one slot. The G query heads of a KV head become G*T query rows of
+one attention over that head (no K/V repeat).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["decode_attention"]
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                     kv_len: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    B, T, H, D = q.shape
+    KvH = k_cache.shape[1]
+    G = H // KvH
+    if rows is None:
+        k, v = k_cache[:B, :, :kv_len], v_cache[:B, :, :kv_len]
+    else:
+        k, v = k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
+    qg = q.reshape(B, T, KvH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KvH, G * T, D)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.to(q.dtype))
+    return o.view(B, KvH, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
