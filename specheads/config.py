@@ -103,6 +103,9 @@ class SynthesizeConfig(_Section):
     dedup_threshold: float = Field(0.6, gt=0.0, le=1.0)  # near-duplicate: Jaccard of word 3-grams ≥ this
     compile: bool = False  # torch.compile the engine's layers; slower on the H200 (BENCHMARKS.md)
     refill_at: int = Field(1, ge=1)  # continuous batching: free slots gathered before one prefill refills them
+    # the engine's dtype (None: target.dtype). Prompts are sampled, so they need no fp32 even where the
+    # recipe keeps the target in fp32 for its lossless checks (100k fp32 prompts took 10.6 min on the H200)
+    dtype: Literal["bfloat16", "float32"] | None = None
     out: str | None = None  # default: {run_dir}/data/synthesized.jsonl
 
 

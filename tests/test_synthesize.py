@@ -131,6 +131,28 @@ def test_refuses_a_file_of_another_recipe_seed_or_seed_file(chatty, tiny_target_
     assert foreign.read_text() == '{"id": 1, "prompt": "hello"}\n'
 
 
+def test_engine_dtype_is_a_setting_of_the_file(chatty, tiny_target_dir, tmp_path, monkeypatch):
+    """data.synthesize.dtype runs the engine in bf16 under an fp32 target (the H200 recipe's choice), and a
+    file written at one dtype is not resumed at another."""
+    import specheads.runtime.model as engine_module
+    seen = []
+    from_hf = engine_module.TargetModel.from_hf
+
+    def spy(hf, *a, **kw):
+        m = from_hf(hf, *a, **kw)
+        seen.append(m.dtype)
+        return m
+
+    monkeypatch.setattr(engine_module.TargetModel, "from_hf", spy)
+    base = {"data.synthesize.num_prompts": 2, "data.synthesize.dtype": "bfloat16"}
+    s = run_synthesize(_recipe(tmp_path, tiny_target_dir, **base), target=chatty)
+    assert seen == [torch.bfloat16] and next(chatty.model.parameters()).dtype == torch.float32
+    assert s["written"] == 2
+    with pytest.raises(SynthesizeError, match="differing: data.synthesize.dtype"):
+        run_synthesize(_recipe(tmp_path, tiny_target_dir, **{**base, "data.synthesize.dtype": "float32"}),
+                       target=chatty)
+
+
 def test_a_full_disk_loses_nothing_already_written(tmp_path):
     out = tmp_path / "synthesized.jsonl"
     with open(out, "a") as f:

@@ -555,6 +555,7 @@ def plot_categories(summary: dict, path: Path) -> None:
 
 
 def run_synthesize(recipe, target=None) -> dict:
+    import torch
     from tqdm import tqdm
 
     from specheads.runtime.model import TargetModel
@@ -589,7 +590,8 @@ def run_synthesize(recipe, target=None) -> dict:
 
     limit = int(getattr(target.config, "max_position_embeddings", 8192) or 8192)
     max_seq = _max_seq(cfg, prefix_len, documents is not None, limit)
-    engine = TargetModel.from_hf(target.model, max_batch=cfg.batch_size, max_seq=max_seq)
+    engine = TargetModel.from_hf(target.model, max_batch=cfg.batch_size, max_seq=max_seq,
+                                 dtype=getattr(torch, cfg.dtype) if cfg.dtype else None)
     if cfg.compile:
         engine.compile_layers()
     writer = _Writer(engine, tokenizer, cfg, recipe.seed, stops)
