@@ -173,9 +173,19 @@ def _sort_key(dev):
     return "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
 
 
-def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10):
+def kernel_count(prof) -> dict:
+    """Kernels one profiled step launched and their summed device time: in a launch-bound step the
+    count is the cost to cut (the table shows only the longest rows)."""
+    from torch.autograd import DeviceType
+    ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return {"kernels_per_step": len(ev),
+            "kernel_us_per_step": sum(getattr(e, "device_time", 0.0) or 0.0 for e in ev)} if ev else {}
+
+
+def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10, skip=0):
     """Per drafter: ms per decode step of ``prompts`` as one batch (eager and graphed) and a profiler
-    table of one eager step."""
+    table of one eager step; ``skip`` more steps run first, so the timed ones attend over a longer
+    context (the tail of a 128-token run reads the 256-slot attention width, its start 128)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -183,10 +193,10 @@ def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10):
     for name, d in drafters:
         row = {}
         for mode in ([False, True] if graphs else [False]):
-            new = min((steps + 6) * (k + 1), m.max_seq - max(map(len, prompts)) - k - 2)  # never finishes while timed
+            new = min((steps + skip + 6) * (k + 1), m.max_seq - max(map(len, prompts)) - k - 2)  # never finishes
             gen = Generation(m, prompts, new, drafter=d, k=k, stop_token_ids=(), use_cuda_graphs=mode)
             gen.prefill()
-            gen.run(max_steps=3)                       # warm-up: kernels compiled, graphs captured
+            gen.run(max_steps=3 + skip)                # warm-up: kernels compiled, graphs captured
             sync(dev)
             t0, n0 = time.perf_counter(), gen.t
             gen.run(max_steps=steps)
@@ -198,10 +208,11 @@ def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10):
                     gen.run(max_steps=1)
                     sync(dev)
                 try:
-                    table = prof.key_averages().table(sort_by=_sort_key(dev), row_limit=25)
+                    table = prof.key_averages().table(sort_by=_sort_key(dev), row_limit=40)
                 except (KeyError, AttributeError, ValueError):
-                    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+                    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
                 row["table"] = table
+                row.update(kernel_count(prof))
         out[name] = row
     return out
 
@@ -281,6 +292,9 @@ def main(argv=None):
     ap.add_argument("--hf", action="store_true", help="also time Hugging Face generate (plain)")
     ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at the first --batches size (last engine)")
     ap.add_argument("--profile-only", action="store_true", help="only the profile (no table)")
+    ap.add_argument("--profile-all", action="store_true", help="profile every drafter, not only the last one")
+    ap.add_argument("--profile-skip", type=int, default=0,
+                    help="decode steps run before the profiled ones (a longer context; needs --new-tokens to fit)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="PNG of speedup against batch size (default: --out with .png)")
     ap.add_argument("--random-weights", action="store_true",
@@ -374,16 +388,21 @@ def main(argv=None):
         lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
         print(f"\ngreedy outputs identical to plain (eager) decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
 
-    if a.profile or a.profile_only:
+    if a.profile or a.profile_only or a.profile_all:
         m, drafters = engines[engine_names[-1]]              # the last engine: the one under study
         chosen = [("plain", None)]
-        for name, make in drafters[::-1]:                   # the last requested drafter (hybrid > head > ngram)
+        # the last requested drafter (hybrid > head > ngram), or every one with --profile-all
+        for name, make in (drafters if a.profile_all else drafters[::-1][:1]):
             chosen.append((name, make()))
-            break
-        prof = profile_steps(m, prompts[:batches[0]], chosen, a.k, graphs, dev)   # at the first --batches
+        prof = profile_steps(m, prompts[:batches[0]], chosen, a.k, graphs, dev,   # at the first --batches
+                             skip=a.profile_skip)
+        res["profile_skip"] = a.profile_skip
         res["profile"] = {n: {k: v for k, v in r.items() if k != "table"} for n, r in prof.items()}
         for name, r in prof.items():
-            times = ", ".join(f"{k.replace('_ms_per_step', '')} {v:.2f} ms/step" for k, v in r.items() if k != "table")
+            times = ", ".join(f"{k.replace('_ms_per_step', '')} {v:.2f} ms/step" for k, v in r.items()
+                              if k.endswith("_ms_per_step"))
+            if "kernels_per_step" in r:
+                times += f"; {r['kernels_per_step']} kernels, {r['kernel_us_per_step']:.0f} µs of them"
             print(f"\n### Profile: one {name} decode step, batch {batches[0]} ({times})\n")
             print(r["table"])
 

@@ -7,6 +7,8 @@
 # head and hybrid rows), DTYPE=float32|bfloat16 (default bfloat16), NEW=<new tokens> (default 128),
 # BATCHES (default 1,8,48), ENGINES (default eager,compiled: both engines timed in one run, each one profiled),
 # REPEAT (timed runs per row, the fastest counts; default 1), ATTN_AB=1 (also the last engine with SDPA attention),
+# PROFILE_ALL=1 (profile every drafter, not only the last), PROFILE_SKIP=N (decode steps before the profiled
+# ones: a longer context, as in the tail of the timed runs),
 # DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
 # Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile_*.txt, timeline.txt.
 set -u
@@ -59,7 +61,8 @@ for eng in ${ENGINES//,/ }; do
   for pb in ${PROFILE_BATCHES:-1 8}; do
     stage "profile_${eng}_b$pb" 240 "$OUT/profile_${eng}_b$pb.txt" \
       python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$pb" \
-      --new-tokens 64 ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$eng" --profile-only --out "$OUT/profile_${eng}_b$pb.json"
+      --new-tokens $(( 64 + 4 * ${PROFILE_SKIP:-0} )) ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$eng" --profile-only \
+      ${PROFILE_ALL:+--profile-all} --profile-skip "${PROFILE_SKIP:-0}" --out "$OUT/profile_${eng}_b$pb.json"
     grep -E '^### Profile' "$OUT/profile_${eng}_b$pb.txt" | tee -a "$OUT/timeline.txt"
   done
 done

@@ -29,7 +29,7 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     save(head, None, tmp_path / "head", dtype=torch.float32)
     out = tmp_path / "bench.json"
     res = _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--new-tokens", "6",
-                         "--head", str(tmp_path / "head"), "--min-match", "2", "--out", str(out), "--profile"])
+                         "--head", str(tmp_path / "head"), "--min-match", "2", "--out", str(out), "--profile-all"])
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["drafter"].split(" ")[0]) for r in rows] == [
@@ -44,5 +44,7 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
         assert r["drafter"] == "plain" or r["lossless"] is True
     assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text and "speedup after prefill ÷ τ" in text
     assert "Profile: one plain decode step" in text and "Profile: one hybrid" in text
+    assert "Profile: one ngram" in text and "Profile: one head (eagle3)" in text      # --profile-all: every drafter
+    assert res["attention"] == "torch"                                                 # SDPA on a CPU
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert res["profile"]["plain"]["eager_ms_per_step"] > 0
