@@ -106,3 +106,26 @@ def test_greedy_decoding_on_the_kernel_is_unchanged():
     plain = generate(ref, PROMPTS, 12, stop_token_ids=()).tokens
     assert generate(ker, PROMPTS, 12, stop_token_ids=()).tokens == plain
     assert generate(ker, PROMPTS, 12, drafter=NGramDrafter(), k=3, stop_token_ids=()).tokens == plain
+
+
+def test_head_drafting_on_the_kernel(monkeypatch):
+    """A head's own attention (the runtime's DraftCache) on the kernel drafts what it drafts on SDPA."""
+    from test_runtime import PROMPTS, _head, tiny
+    from specheads.runtime.drafters import Eagle3Drafter
+    from specheads.runtime.generate import generate
+    hf, head = tiny("llama").to(DEVICE), _head("eagle3", 48).to(DEVICE)
+    got = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("SPECHEADS_KERNELS", backend)
+        m = TargetModel.from_hf(hf, max_batch=3, max_seq=96, device=DEVICE)
+        d = Eagle3Drafter(head)
+        r = generate(m, PROMPTS, 12, drafter=d, k=3, stop_token_ids=())
+        assert d.state.cache.attn_backend == m.layers[0].attn_backend == backend
+        got[backend] = (r.tokens, [s.num_accepted for s in r.records], d.state.root_logits.clone())
+    assert got["triton"][0] == got["torch"][0] and got["triton"][1] == got["torch"][1]
+    torch.testing.assert_close(got["triton"][2], got["torch"][2], atol=1e-4, rtol=1e-4)
+    # the compiled head step calls the kernel as the custom op
+    torch._dynamo.reset()
+    d = Eagle3Drafter(head).compile()
+    r = generate(m, PROMPTS, 12, drafter=d, k=3, stop_token_ids=())
+    assert r.tokens == got["torch"][0] and [s.num_accepted for s in r.records] == got["torch"][1]

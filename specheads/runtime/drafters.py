@@ -43,9 +43,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specheads import kernels
 from specheads.errors import SpecheadsError
 
-from .model import TargetModel, allow_recompiles, build_attn_mask, kv_write_index, round_up
+from .model import TargetModel, additive_mask, allow_recompiles, build_attn_mask, kv_write_index, round_up
 from .tree import DraftTree, Expansion, TreeConfig, build_dynamic_tree
 from .verify import sample_inverse_cdf, target_probs
 
@@ -275,19 +276,33 @@ class DraftCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_seq = max_seq
-        self.write_pos = self.mask = self.index = None
+        self.write_pos = self.mask = self.index = self.kernel_mask = None
         self.kv_len = self.slots
+        # the engine's decode attention kernel on a GPU (as in the target's layers), SDPA on a CPU
+        self.attn_backend = kernels.resolve_backend("auto", self.lengths)
 
-    def prepare(self, write_pos: torch.Tensor, mask: torch.Tensor, kv_len: int) -> None:
+    def prepare(self, write_pos: torch.Tensor, mask: torch.Tensor, kv_len: int, groups: int = 1) -> None:
+        """Before a head call: where its T new K/V go, what each sees (bool [B, 1, T, kv_len]), and
+        ``groups`` = query heads per KV head (the kernel's additive mask has a row per query head)."""
         self.write_pos, self.mask, self.kv_len = write_pos.clamp(max=self.max_seq - 1), mask, kv_len
         self.index = kv_write_index(self.write_pos, self.k[0].shape[1])       # one for every layer of the call
+        self.kernel_mask = None
+        if self.attn_backend == "triton":
+            self.kernel_mask = additive_mask(mask, self.k[0].dtype, groups)
 
     def attend(self, layer_idx, q, k, v, attention_mask=None, attn_module=None):
+        """q [B, H, T, D], k / v [B, KvH, T, D] of the new tokens -> o [B, H, T, D]."""
+        B, H, T, D = q.shape
         KvH = k.shape[1]
         K, V = self.k[layer_idx], self.v[layer_idx]
         K.index_put_(self.index, k.to(K.dtype))
         V.index_put_(self.index, v.to(V.dtype))
         scale = getattr(attn_module, "scale", None)
+        if (self.kernel_mask is not None and self.kernel_mask.shape[2] == T * (H // KvH) and q.dtype == K.dtype
+                and scale in (None, D ** -0.5) and kernels.attention_supported((B, T, H, D), KvH)):
+            o = kernels.decode_attention(q.transpose(1, 2), K, V, self.kernel_mask, self.kv_len,
+                                         backend=self.attn_backend)
+            return o.view(B, T, H, D).transpose(1, 2)
         return F.scaled_dot_product_attention(
             q, K[:, :, :self.kv_len].to(q.dtype), V[:, :, :self.kv_len].to(q.dtype),
             attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != KvH)
@@ -401,7 +416,7 @@ class HeadDrafter(Drafter):
     def _step(self, ids, hidden, positions, write_pos, mask, kv_len, step: int = 0):
         """One head call (raw draft logits, hidden). ``step`` = 0 for the first pass, s for the
         s-th draft token after it (MTP uses depth s mod num_mtp_depths, as vLLM's MTP proposer does)."""
-        self.cache.prepare(write_pos, mask, kv_len)
+        self.cache.prepare(write_pos, mask, kv_len, self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
         p = next(self.head.parameters())
         kw = {"depth": step % max(1, self.cfg.num_mtp_depths)} if self.kind == "mtp" else {}
         return self._forward(ids, hidden.to(p.dtype), positions, attention_mask=None, kv_cache=self.cache, **kw)
