@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from specheads.errors import SpecheadsError
+from specheads.kernels import attention_ref
 from specheads.runtime.drafters import (DRAFTER_KINDS, DraftContext, Drafter, DraftVocabError, Eagle3Drafter,
                                         HybridDrafter, NGramDrafter, Proposal, drafter_for_head, make_drafter,
                                         ngram_match)
 from specheads.runtime.generate import KV_BUCKET_MIN, Generation, Request, generate, generate_continuous
 from specheads.runtime.model import (TargetModel, additive_mask, apply_rope, apply_rope_fast, build_attn_mask,
-                                     grouped_attention, signed_sin)
+                                     signed_sin)
 from specheads.runtime.tree import TreeConfig
 from specheads.runtime.verify import tree_links, tree_links_reference
 
@@ -427,7 +428,7 @@ def test_fast_rope_equals_reference():
 
 
 @pytest.mark.parametrize("T", [1, 4])
-def test_grouped_attention_equals_repeated_kv(T):
+def test_decode_attention_reference_equals_repeated_kv(T):
     g = torch.Generator().manual_seed(T)
     B, H, KvH, D, S = 2, 6, 2, 8, 32
     q = torch.randn(B, T, H, D, generator=g)
@@ -435,7 +436,7 @@ def test_grouped_attention_equals_repeated_kv(T):
     lengths = torch.tensor([5, 11])
     wp = lengths[:, None] + torch.arange(T)
     vis = build_attn_mask(lengths, wp, None, S)
-    got = grouped_attention(q, k, v, additive_mask(vis, q.dtype, H // KvH))
+    got = attention_ref.decode_attention(q, k, v, additive_mask(vis, q.dtype, H // KvH), S)
     kr, vr = k.repeat_interleave(H // KvH, 1), v.repeat_interleave(H // KvH, 1)
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), kr, vr, attn_mask=vis)
     torch.testing.assert_close(got, ref.transpose(1, 2).reshape(B, T, H * D), atol=1e-5, rtol=1e-5)

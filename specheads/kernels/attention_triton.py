@@ -105,7 +105,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or mask.stride(-1) != 1:
         raise ValueError("decode_attention kernel: the caches and the mask need a contiguous last dim")
-    if mask.shape != (B, 1, G * T, kv_len) and not (mask.shape[:3] == (B, 1, G * T) and mask.shape[3] >= kv_len):
+    if mask.shape[:3] != (B, 1, G * T) or mask.shape[3] < kv_len:
         raise ValueError(f"mask {tuple(mask.shape)} must be [B, 1, G*T, >= kv_len] = [{B}, 1, {G * T}, {kv_len}]")
     o = torch.empty(B, T, H * D, dtype=q.dtype, device=q.device)
     if B == 0 or T == 0:

@@ -36,7 +36,6 @@ from torch import nn
 from specheads import kernels
 from specheads.heads.config import rope_from_config  # one RoPE config parser and
 from specheads.heads.layers import rope_inv_freq     # one RoPE implementation for heads and engine
-from specheads.kernels import attention_ref
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,14 +160,6 @@ def additive_mask(vis: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> tor
     if groups > 1:
         vis = vis.repeat(1, 1, groups, 1)
     return torch.zeros((), dtype=dtype, device=vis.device).masked_fill(~vis, float("-inf"))
-
-
-def grouped_attention(q, k, v, mask):
-    """q [B, T, H, D], k/v [B, KvH, S, D], additive mask [B, 1, G*T, S] (G = H // KvH) ->
-    [B, T, H*D]. The G query heads sharing a KV head become G*T query rows of one attention
-    over that head (HF's repeat_kv pairing: query head h uses KV head h // G). The engine's
-    layers call ``kernels.decode_attention`` (the same maths over the cache in place)."""
-    return attention_ref.decode_attention(q, k, v, mask, k.shape[2])
 
 
 RECOMPILE_LIMIT = 64
