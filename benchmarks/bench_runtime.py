@@ -331,14 +331,17 @@ def main(argv=None):
             head = head.compile(**ENGINES[eng]) if head is not None else None
         drafters = []                                            # (name, factory): a fresh drafter per batch
         for name in wanted:
-            if name == "ngram":
-                drafters.append(("ngram", lambda: NGramDrafter()))        # 1..4, the eval default
+            if name == "ngram":                                  # 1..4, the eval default
+                drafters.append(("ngram", (lambda: NGramDrafter()) if ENGINES[eng] is None
+                                 else (lambda kw=ENGINES[eng]: NGramDrafter().compile(**kw))))
             elif name in ("head", "hybrid") and head is not None:
                 if name == "head":
                     drafters.append((f"head ({head.cfg.kind})", lambda h=head: h))
                 else:
+                    # compiled: the n-gram side and the choice too (the head's units already are)
                     drafters.append((f"hybrid (min_match {a.min_match})",
-                                     lambda h=head: make_drafter("hybrid", h, min_match=a.min_match)))
+                                     lambda h=head, kw=ENGINES[eng]: make_drafter("hybrid", h, min_match=a.min_match)
+                                     if kw is None else make_drafter("hybrid", h, min_match=a.min_match).compile(**kw)))
         engines[eng] = (m, drafters)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,

@@ -85,3 +85,54 @@ def test_compiled_decoding_is_lossless(engines):
     assert got.summary()["accepted"] == ref.summary()["accepted"]
     hybrid = HybridDrafter(Eagle3Drafter(head), NGramDrafter()).compile()
     assert generate(compiled, PROMPTS, 12, drafter=hybrid, k=3, stop_token_ids=()).tokens == plain.tokens
+
+
+def _per_step(result):
+    return [(r.request, r.num_proposed, r.num_accepted, r.num_emitted) for r in result.records]
+
+
+def test_compiled_bookkeeping_and_drafters_match_eager(engines):
+    """On a compiled engine the step's bookkeeping (chain_draft, commit_rows), the device n-gram
+    match, the hybrid's choice and the head's units (first pass, greedy chain, one call) run through
+    torch.compile: every step proposes, accepts and emits what the eager engine does."""
+    eager, compiled = engines
+    head = _head("eagle3", 48)
+    prompts = PROMPTS + [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    plain = generate(eager, prompts, 14, stop_token_ids=())
+    cases = {
+        "ngram": (lambda: NGramDrafter(backend="device"), lambda: NGramDrafter(backend="device").compile()),
+        "head": (lambda: Eagle3Drafter(head), lambda: Eagle3Drafter(head).compile()),
+        "hybrid": (lambda: HybridDrafter(Eagle3Drafter(head), NGramDrafter(backend="device"), min_match=2),
+                   lambda: HybridDrafter(Eagle3Drafter(head), NGramDrafter(backend="device"), min_match=2).compile()),
+    }
+    for name, (make_eager, make_compiled) in cases.items():
+        ref = generate(eager, prompts, 14, drafter=make_eager(), k=3, stop_token_ids=())
+        d = make_compiled()
+        got = generate(compiled, prompts, 14, drafter=d, k=3, stop_token_ids=())
+        assert got.tokens == plain.tokens, name
+        assert _per_step(got) == _per_step(ref), name
+        if name == "hybrid":
+            assert min(d.choice_counts().values()) > 0      # both sides were chosen
+    # stop tokens and max_new_tokens cut rows at different steps (commit_rows' finishing logic)
+    stops = [plain.tokens[0][4], plain.tokens[2][6]]
+    ref = generate(eager, prompts, 11, drafter=NGramDrafter(backend="device"), k=3, stop_token_ids=stops)
+    got = generate(compiled, prompts, 11, drafter=NGramDrafter(backend="device").compile(), k=3, stop_token_ids=stops)
+    assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons
+    assert "stop" in got.finish_reasons
+
+
+def test_compiled_head_sampled_and_tree_paths(engines):
+    """The head's other paths (sampled drafts, trees) call the compiled single head call: the same
+    drafts and outputs as the eager head."""
+    eager, compiled = engines
+    from specheads.runtime.tree import TreeConfig
+    head = _head("eagle3", 48)
+    kw = dict(k=3, rule="rejection", temperature=0.8, seed=7, stop_token_ids=())
+    ref = generate(eager, PROMPTS, 10, drafter=Eagle3Drafter(head), **kw)
+    got = generate(compiled, PROMPTS, 10, drafter=Eagle3Drafter(head).compile(), **kw)
+    assert got.tokens == ref.tokens and _per_step(got) == _per_step(ref)
+    tree = TreeConfig(depth=3, topk=2, total_tokens=6)
+    plain = generate(eager, PROMPTS, 10, stop_token_ids=())
+    ref = generate(eager, PROMPTS, 10, drafter=Eagle3Drafter(head), tree=tree, stop_token_ids=())
+    got = generate(compiled, PROMPTS, 10, drafter=Eagle3Drafter(head).compile(), tree=tree, stop_token_ids=())
+    assert got.tokens == plain.tokens and _per_step(got) == _per_step(ref)

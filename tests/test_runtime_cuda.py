@@ -197,3 +197,22 @@ def test_continuous_batching_graphs_equal_eager(cuda_llama, temperature):
     eager, _ = run(False)
     graphed, stats = run(True)
     assert graphed == eager and stats["failed"] == 0 and stats["replayed"] > stats["captured"] > 0
+
+
+@pytest.mark.parametrize("mode", ["plain", "ngram", "eagle3", "hybrid", "eagle3_tree", "eagle3_rejection"])
+def test_compiled_engine_graphs_match_eager(cuda_llama, mode):
+    """The compiled engine (layers, forward inputs, step bookkeeping) with compiled drafters, whole
+    steps in CUDA graphs: the same steps and tokens as the eager engine (fp32), replayed again."""
+    hf, m = cuda_llama
+    mc = TargetModel.from_hf(hf, max_batch=4, max_seq=160).compile_layers()
+    kw = _kw(mode)
+    prompts = PROMPTS + [REPETITIVE]
+    eager = generate(m, prompts, 20, **kw)
+    if kw.get("drafter") is not None:
+        kw = {**kw, "drafter": kw["drafter"].compile()}
+    for _ in range(2):                                            # capture, then replay
+        got = generate(mc, prompts, 20, use_cuda_graphs=True, **kw)
+        assert got.tokens == eager.tokens
+        assert [r.as_dict() for r in got.records] == [r.as_dict() for r in eager.records]
+        assert got.graph_stats["failed"] == 0
+    assert got.graph_stats["eager"] == 0 and got.graph_stats["captured"] == 0

@@ -130,7 +130,8 @@ def build_drafter(spec: RunSpec, target, dtype, device, min_match: int = 3, comp
     """The runtime drafter of a run: n-gram, or a head directory made whole for (and checked against)
     the target, alone or in a hybrid with n-gram (its head step torch.compile'd with ``compile``)."""
     if spec.drafter == "ngram":
-        return make_drafter("ngram")
+        d = make_drafter("ngram")
+        return d.compile() if compile else d
     head, _meta = load_head_for(spec.drafter, target)
     d = make_drafter("hybrid" if spec.hybrid else "head", head.to(device=device, dtype=dtype).eval(),
                      name=spec.drafter, target_vocab_size=target.vocab_size, min_match=min_match)

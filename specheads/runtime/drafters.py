@@ -157,7 +157,7 @@ def _pick(ctx: DraftContext, logits_t: torch.Tensor, step: int = 0):
 
 # ---------------------------------------------------------------------------- n-gram
 def ngram_match(tokens: torch.Tensor, lengths: torch.Tensor, k: int, min_ngram: int = 1, max_ngram: int = 4,
-                occurrence: str = "latest"):
+                occurrence: str = "latest", active: torch.Tensor | None = None):
     """Batched prompt lookup on the device (vLLM's ``ngram_gpu`` idea), without a host sync.
 
     tokens [B, S] (row b's history in slots < lengths[b], junk after), lengths [B] >= 1.
@@ -191,6 +191,8 @@ def ngram_match(tokens: torch.Tensor, lengths: torch.Tensor, k: int, min_ngram: 
         raise ValueError(f"occurrence must be 'latest' or 'earliest', got {occurrence!r}")
     start = end + 1
     num = torch.where(has, (lengths - start).clamp(min=0, max=k), 0)
+    if active is not None:
+        num = torch.where(active, num, 0)
     ar = torch.arange(k, device=dev)
     idx = (start[:, None] + ar).clamp(0, S - 1)
     drafts = torch.where(ar[None, :] < num[:, None], tokens.gather(1, idx), 0)
@@ -221,6 +223,15 @@ class NGramDrafter(Drafter):
             raise ValueError(f"backend must be one of {self.BACKENDS}, got {backend!r}")
         self.min_ngram, self.max_ngram, self.occurrence, self.backend = min_ngram, max_ngram, occurrence, backend
         self.on_device = backend == "device"
+        self._match = ngram_match
+
+    def compile(self, **compile_kwargs) -> "NGramDrafter":
+        """The device match through ``torch.compile``: eagerly it is ~40 small kernels a step, as many
+        as the rest of a step's bookkeeping. Shapes are static (the engine's token buffer)."""
+        compile_kwargs.setdefault("dynamic", False)
+        allow_recompiles()
+        self._match = torch.compile(ngram_match, **compile_kwargs)
+        return self
 
     @property
     def graph_safe(self) -> bool:
@@ -249,8 +260,9 @@ class NGramDrafter(Drafter):
         if self.on_device:
             if ctx.tokens is None:
                 raise RuntimeError("the device n-gram proposer needs ctx.tokens / ctx.lengths (the engine's buffer)")
-            drafts, num, n = ngram_match(ctx.tokens, ctx.lengths, k, self.min_ngram, self.max_ngram, self.occurrence)
-            return Proposal(drafts, torch.where(ctx.active_mask, num, 0), None, n)
+            drafts, num, n = self._match(ctx.tokens, ctx.lengths, k, self.min_ngram, self.max_ngram, self.occurrence,
+                                         ctx.active_mask)
+            return Proposal(drafts, num, None, n)
         B = ctx.batch
         found = [self.match(h, k) if a else ([], 0) for h, a in zip(ctx.histories, ctx.active)]
         K = max([len(p) for p, _ in found] + [0])
@@ -362,15 +374,19 @@ class HeadDrafter(Drafter):
         self.state: _HeadState | None = None
         self.cache: DraftCache | None = None
         self.ctx: DraftContext | None = None
-        self._forward = self.head.forward_step
+        # the three units a step runs; ``compile`` swaps in torch.compile'd ones
+        self._step, self._first_pass_fn, self._greedy_chain_fn = self._step_impl, self._first_pass, self._greedy_chain
 
     def compile(self, **compile_kwargs) -> "HeadDrafter":
-        """Run the head's step through ``torch.compile`` (the head module itself is untouched):
-        a draft step is a few hundred small kernels eagerly, and drafting k of them per target
-        forward is what makes a head's speedup fall short of its tau (issue 14)."""
+        """Run the head's units through ``torch.compile`` (the head module itself is untouched): the
+        first pass over the verified tokens, a greedy chain of draft steps, and one head call for
+        the other paths, each with its masks and cache indices. Eagerly a drafted cycle is a few
+        hundred small kernels, and they are what makes a head's speedup fall short of its tau (issue 14)."""
         compile_kwargs.setdefault("dynamic", True)     # as TargetModel.compile_layers
         allow_recompiles()
-        self._forward = torch.compile(self.head.forward_step, **compile_kwargs)
+        self._step = torch.compile(self._step_impl, **compile_kwargs)
+        self._first_pass_fn = torch.compile(self._first_pass, **compile_kwargs)
+        self._greedy_chain_fn = torch.compile(self._greedy_chain, **compile_kwargs)
         return self
 
     # -- vocabulary checks (before generation)
@@ -414,13 +430,14 @@ class HeadDrafter(Drafter):
             return self.head.project(v.aux)
         return v.final
 
-    def _step(self, ids, hidden, positions, write_pos, mask, kv_len, step: int = 0):
+    def _step_impl(self, ids, hidden, positions, write_pos, mask, kv_len, step: int = 0):
         """One head call (raw draft logits, hidden). ``step`` = 0 for the first pass, s for the
         s-th draft token after it (MTP uses depth s mod num_mtp_depths, as vLLM's MTP proposer does)."""
         self.cache.prepare(write_pos, mask, kv_len, self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
         p = next(self.head.parameters())
         kw = {"depth": step % max(1, self.cfg.num_mtp_depths)} if self.kind == "mtp" else {}
-        return self._forward(ids, hidden.to(p.dtype), positions, attention_mask=None, kv_cache=self.cache, **kw)
+        return self.head.forward_step(ids, hidden.to(p.dtype), positions, attention_mask=None, kv_cache=self.cache,
+                                      **kw)
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.draft_vocab_size == self.cfg.target_vocab_size:
@@ -435,11 +452,8 @@ class HeadDrafter(Drafter):
         out = torch.full(dl.shape[:-1] + (V,), float("-inf"), device=dl.device)
         return out.index_copy(-1, ids, dl)
 
-    def _pick(self, ctx: DraftContext, dl: torch.Tensor, s: int):
-        """Greedy: the draft-vocab argmax mapped to a target id (d2t is increasing, so this is the
-        argmax of the target-vocab logits, ties included) without widening to the target vocab."""
-        if not ctx.sample_drafts:
-            return self._to_target(dl.argmax(-1)), None
+    def _sample(self, ctx: DraftContext, dl: torch.Tensor, s: int):
+        """A sampled draft token (target id) and its probabilities over the target vocabulary."""
         return _pick(ctx, self._target_logits(dl.float(), ctx.vocab_size), s)
 
     def _kv_len(self) -> int:
@@ -465,24 +479,37 @@ class HeadDrafter(Drafter):
         position becomes the root of the next draft."""
         if self.state is None:
             raise RuntimeError("update() before start()")
-        st, c = self.state, self.cache
-        B, W = v.next_tokens.shape
-        dev = v.next_tokens.device
-        kv_len = self._kv_len()
-        c.lengths[:B] = v.start
-        pos = v.start[:, None] + torch.arange(W, device=dev)
+        st, B = self.state, v.next_tokens.shape[0]
+        states = v.aux if self.kind == "eagle3" else v.final
+        if st.root_logits is None or st.root_logits.shape[0] != B:
+            # the prompt's pass (eager) sizes the root buffers every later pass writes in place:
+            # captured graphs read and write these very tensors
+            st.root_logits, st.root_h, st.root_pos = (t.clone() for t in self._first_pass(
+                v.start, v.count, v.next_tokens, states, self._kv_len()))
+            return
+        self._first_pass_fn(v.start, v.count, v.next_tokens, states, self._kv_len(),
+                            (st.root_logits, st.root_h, st.root_pos))
+
+    def _first_pass(self, start, count, next_tokens, states, kv_len: int, roots=None):
+        """``update``'s pass: the head over positions start .. start+W-1 of each row; the root
+        (logits, hidden, position) at its last verified one goes to ``roots`` (or is returned)."""
+        c = self.cache
+        B, W = next_tokens.shape
+        dev = next_tokens.device
+        c.lengths[:B] = start
+        pos = start[:, None] + torch.arange(W, device=dev)
         mask = build_attn_mask(c.lengths[:B], pos.clamp(max=kv_len - 1), None, kv_len)
-        logits, h = self._step(v.next_tokens, self._input_hidden(v), pos, pos, mask, kv_len)
-        last = (v.count - 1).clamp(min=0)
+        hidden = self.head.project(states) if self.kind == "eagle3" else states
+        logits, h = self._step_impl(next_tokens, hidden, pos, pos, mask, kv_len)
+        last = (count - 1).clamp(min=0)
         rows = torch.arange(B, device=dev)
-        lg, hh = logits[rows, last], h[rows, last]
-        if st.root_logits is None or st.root_logits.shape != lg.shape or st.root_logits.dtype != lg.dtype:
-            st.root_logits, st.root_h = torch.empty_like(lg), torch.empty_like(hh)
-            st.root_pos = torch.empty_like(v.start)
-        st.root_logits.copy_(lg)
-        st.root_h.copy_(hh)
-        st.root_pos.copy_(v.start + last)
-        c.lengths[:B] = v.start + v.count
+        c.lengths[:B] = start + count
+        out = (logits[rows, last], h[rows, last], start + last)
+        if roots is None:
+            return out
+        for buf, t in zip(roots, out):
+            buf.copy_(t)
+        return None
 
     def root(self):
         """(draft logits [B, Vd], hidden [B, H], position [B]) at each row's last verified token."""
@@ -494,24 +521,46 @@ class HeadDrafter(Drafter):
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
         logits, h, pos = self.root()
+        if not ctx.sample_drafts:
+            return Proposal(self._greedy_chain_fn(logits, h, pos, ctx.active_mask, k, self._kv_len()),
+                            torch.where(ctx.active_mask, k, 0), None)
         c, B = self.cache, ctx.batch
         kv_len = self._kv_len()
         base = c.lengths[:B].clone()
         toks, qs = [], []
         for s in range(k):
             if s > 0:
-                wp = (base + s - 1)[:, None]
-                c.lengths[:B] = base + s - 1
-                mask = build_attn_mask(c.lengths[:B], wp.clamp(max=kv_len - 1), None, kv_len)
-                logits, h = self._step(toks[-1][:, None], h[:, None], (pos + s)[:, None], wp, mask, kv_len, s)
-                logits, h = logits[:, 0], h[:, 0]
-            t, q = self._pick(ctx, logits, s)
+                logits, h = self._chain_step(toks[-1], h, pos, base, s, kv_len, self._step)
+            t, q = self._sample(ctx, logits, s)
             toks.append(t)
             qs.append(q)
         c.lengths[:B] = base
         num = torch.where(ctx.active_mask, k, 0)
-        probs = torch.stack(qs, 1) if ctx.sample_drafts else None
-        return Proposal(torch.stack(toks, 1), num, probs)
+        return Proposal(torch.stack(toks, 1), num, torch.stack(qs, 1))
+
+    def _chain_step(self, last_tok, h, pos, base, s: int, kv_len: int, step_fn):
+        """Draft step s >= 1 of a chain: the head on the last draft token at slot base + s - 1."""
+        c, B = self.cache, base.shape[0]
+        wp = (base + s - 1)[:, None]
+        c.lengths[:B] = base + s - 1
+        mask = build_attn_mask(c.lengths[:B], wp.clamp(max=kv_len - 1), None, kv_len)
+        logits, h = step_fn(last_tok[:, None], h[:, None], (pos + s)[:, None], wp, mask, kv_len, s)
+        return logits[:, 0], h[:, 0]
+
+    def _greedy_chain(self, logits, h, pos, active, k: int, kv_len: int):
+        """k greedy draft tokens [B, k] (target ids) from the root; the head cache's lengths are
+        left as they were (the drafts' K/V past them is overwritten by the next first pass)."""
+        c, B = self.cache, active.shape[0]
+        base = c.lengths[:B].clone()
+        toks = []
+        for s in range(k):
+            if s > 0:
+                logits, h = self._chain_step(toks[-1], h, pos, base, s, kv_len, self._step_impl)
+            # the draft-vocab argmax mapped to a target id (d2t is increasing, so this is the argmax
+            # of the target-vocab logits, ties included) without widening to the target vocab
+            toks.append(self._to_target(logits.argmax(-1)))
+        c.lengths[:B] = base
+        return torch.stack(toks, 1)
 
     @torch.no_grad()
     def propose_tree(self, ctx: DraftContext, cfg: TreeConfig) -> DraftTree:
@@ -561,6 +610,19 @@ class MTPDrafter(HeadDrafter):
 
 
 # ---------------------------------------------------------------------------- hybrid
+def hybrid_choice(ngram_tokens, ngram_num, match_len, head_tokens, head_num, active, counts, use_ngram,
+                  min_match: int):
+    """Per row: the n-gram proposal when its match is >= min_match tokens and it proposes something,
+    else the head's. Returns (tokens [B, k], num [B], use [B]); records the choice in ``use_ngram``
+    and adds the active rows' choices to ``counts`` (n-gram, head), in place."""
+    use = (match_len >= min_match) & (ngram_num > 0)
+    tokens = torch.where(use[:, None], ngram_tokens, head_tokens)
+    num = torch.where(use, ngram_num, head_num)
+    use_ngram.copy_(use & active)
+    counts += torch.stack([(use & active).sum(), (~use & active).sum()])
+    return tokens, num, use
+
+
 class HybridDrafter(Drafter):
     """A head and an n-gram drafter together: per row and step, the n-gram proposal when its
     match is at least ``min_match`` tokens long (and it proposes something), otherwise the
@@ -585,14 +647,17 @@ class HybridDrafter(Drafter):
         self.counts: torch.Tensor | None = None       # [2]: (n-gram, head) row-steps with drafts chosen
         self.use_ngram: torch.Tensor | None = None    # [B] the last step's choice
         self._bufs: dict = {}                         # per (batch, device), never freed: graphs point at them
+        self._choose = hybrid_choice
 
     @property
     def graph_safe(self) -> bool:
         return bool(getattr(self.head, "graph_safe", False) and getattr(self.ngram, "graph_safe", False))
 
     def compile(self, **compile_kwargs) -> "HybridDrafter":
-        if hasattr(self.head, "compile"):
-            self.head.compile(**compile_kwargs)
+        for d in (self.head, self.ngram):
+            if hasattr(d, "compile"):
+                d.compile(**compile_kwargs)
+        self._choose = torch.compile(hybrid_choice, dynamic=False)
         return self
 
     def check_target(self, vocab_size: int) -> None:
@@ -623,18 +688,13 @@ class HybridDrafter(Drafter):
         nt = F.pad(nt, (0, k - nt.shape[1])) if nt.shape[1] < k else nt[:, :k]
         nn_ = pn.num.to(dev).clamp(max=k)
         ml = pn.match_len.to(dev) if pn.match_len is not None else torch.zeros_like(nn_)
-        use = (ml >= self.min_match) & (nn_ > 0)
-        hk = ph.tokens[:, :k]
-        tokens = torch.where(use[:, None], nt, hk)
-        num = torch.where(use, nn_, ph.num)
+        tokens, num, use = self._choose(nt, nn_, ml, ph.tokens[:, :k], ph.num, ctx.active_mask, self.counts,
+                                        self.use_ngram, self.min_match)
         probs = None
         if ctx.sample_drafts:
             q = torch.zeros(nt.shape + (ph.probs.shape[-1],), dtype=ph.probs.dtype, device=dev)
             q.scatter_(2, nt[..., None], 1.0)                              # one-hot: q = δ_x
             probs = torch.where(use[:, None, None], q, ph.probs[:, :k])
-        act = ctx.active_mask
-        self.use_ngram.copy_(use & act)
-        self.counts += torch.stack([(use & act).sum(), (~use & act).sum()])
         return Proposal(tokens, num, probs)
 
     def choice_counts(self) -> dict:

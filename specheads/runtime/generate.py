@@ -231,6 +231,67 @@ class _Workspace:
         self.graphs: dict = {}
 
 
+# ---------------------------------------------------------------------------- step bookkeeping
+# Pure tensor functions of a step's bookkeeping. On a compiled engine they run through torch.compile
+# (``_fused``): eagerly they are ~60 small kernels a step, about a tenth of a graphed SmolLM2 step at
+# batch 1, and they are what a drafted step has more of than a plain one.
+def chain_draft(active, hist, hist_len, prop_tokens, prop_num, K: int):
+    """A step's input for a chain: (tokens [B, 1+K] = each row's last token and its drafts (0-padded
+    past the proposal), num [B] (0 for finished rows))."""
+    B = hist.shape[0]
+    last = hist.gather(1, (hist_len - 1)[:, None])
+    w = min(K, prop_tokens.shape[1])
+    drafts = torch.zeros(B, K, dtype=torch.long, device=hist.device)
+    drafts[:, :w] = prop_tokens[:, :w]
+    num = torch.where(active, prop_num.clamp(max=K), 0)
+    return torch.cat([last, drafts], 1), num
+
+
+def commit_rows(hist, hist_len, prompt_len, max_new, stops, stopped, active, rec, step, flag, lengths,
+                act, num, depth, n_acc, toks):
+    """The commit's bookkeeping, in place: append each active row's emitted tokens ``toks[:, :n]``
+    (n = accepted + 1, cut at a stop token or max_new_tokens) to ``hist``, record the step in
+    ``rec``, advance the cache ``lengths`` by what each row kept, finish rows, set ``flag``.
+    Returns (start, committed): each row's cache length before the step and the positions it kept."""
+    B, W = toks.shape
+    cache_len = lengths[:B]
+    pos = torch.arange(W, device=toks.device)
+    is_stop = (toks[:, :, None] == stops[:, None, :]).any(-1) & (pos <= n_acc[:, None])
+    any_stop = is_stop.any(1)
+    first_stop = torch.where(any_stop, is_stop.long().argmax(1), W)
+    room = max_new - (hist_len - prompt_len)
+    n_emit = torch.minimum(torch.minimum(n_acc + 1, room), first_stop + 1)
+    n_emit = torch.where(act, n_emit, 0)
+    hit = act & any_stop & (first_stop < n_emit)
+    idx = (hist_len[:, None] + pos).clamp(max=hist.shape[1] - 1)
+    hist.scatter_(1, idx, torch.where(pos < n_emit[:, None], toks, hist.gather(1, idx)))
+    row = torch.stack([act.long(), num, n_acc, n_emit, torch.where(num > 0, depth, 0)])
+    rec.index_copy_(0, step.clamp(max=rec.shape[0] - 1), row[None])
+    committed = torch.where(act, n_acc + 1, 0)
+    start = cache_len.clone()
+    cache_len += committed
+    hist_len += n_emit
+    finished = hit | (hist_len - prompt_len >= max_new)
+    stopped |= hit
+    active &= ~finished
+    step += 1
+    flag.copy_(torch.stack([active.any().long(), cache_len.max()]))
+    return start, committed
+
+
+_COMPILED: dict = {}
+
+
+def _fused(fn, on: bool):
+    """``fn`` through torch.compile (one compiled function per process; static shapes: a step's
+    shapes are fixed per captured graph) when ``on``, else ``fn``."""
+    if not on:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=False)
+    return _COMPILED[fn]
+
+
 _FAILED = "failed"
 
 
@@ -280,6 +341,8 @@ class Generation:
             ws = model.workspaces[key] = _Workspace(B, model.max_seq, self.Wu, *key[2:], dev)
         self.ws = ws
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "failed": 0}
+        self._commit_rows = _fused(commit_rows, model.compiled)
+        self._chain_draft = _fused(chain_draft, model.compiled)
         self.graph_safe = self.capture = self.inner_graphs = self.pipelined = False
         self.kv_len = model.cache.slots
         self.known_max, self.known_step, self.steps_run = 0, -1, 0
@@ -388,30 +451,30 @@ class Generation:
         """The drafter's proposal for every row (nothing without a drafter; finished rows
         propose nothing)."""
         B, dev, ws = self.B, self.dev, self.ws
-        act = ws.active.clone()
-        last = ws.hist.gather(1, (ws.hist_len - 1)[:, None])
         if self.Wu:
             self._u = ws.uchunk.index_select(0, (ws.step + 1) % UNIFORM_CHUNK)[0]     # [B, Wu] this step's
             self.ctx.draft_u = self._u[:, 2 * self.n_draw:]
         if self.drafter is None:
-            return _Draft(act, last, torch.zeros(B, dtype=torch.long, device=dev))
+            last = ws.hist.gather(1, (ws.hist_len - 1)[:, None])
+            return _Draft(ws.active.clone(), last, torch.zeros(B, dtype=torch.long, device=dev))
         if self.tree is not None:
+            act = ws.active.clone()
+            last = ws.hist.gather(1, (ws.hist_len - 1)[:, None])
             trees = self.drafter.propose_tree(self.ctx, self.tree)
             num = torch.where(act, trees.num_nodes, 0)
             return _Draft(act, torch.cat([last, trees.tokens], 1), num, tree=trees)
+        act = ws.active.clone()        # before the drafter runs: the step's active rows
         prop = self.drafter.propose(self.ctx, self.k)
         Kp = prop.tokens.shape[1]
         # one shape per k for graphs and for graph-safe drafters; a host drafter's proposal can be narrower
         K = self.k if (self.use_graphs or self.graph_safe) else min(self.k, Kp)
-        w = min(K, Kp)
-        drafts = torch.zeros(B, K, dtype=torch.long, device=dev)
-        drafts[:, :w] = prop.tokens[:, :w]
-        num = torch.where(act, prop.num.to(dev).clamp(max=K), 0)
+        tokens, num = self._chain_draft(act, ws.hist, ws.hist_len, prop.tokens.to(dev), prop.num.to(dev), K)
         probs = None
         if self.rule == "rejection" and K > 0:
+            w = min(K, Kp)
             probs = torch.zeros(B, K, self.model.args.vocab_size, device=dev)
             probs[:, :w] = prop.probs[:, :w]
-        return _Draft(act, torch.cat([last, drafts], 1), num, probs=probs)
+        return _Draft(act, tokens, num, probs=probs)
 
     def verify(self, d: _Draft) -> _Verdict:
         """One target forward over last token + drafts (written after each row's committed
@@ -453,45 +516,24 @@ class Generation:
     def commit(self, d: _Draft, v: _Verdict) -> None:
         """Accept: append each active row's tokens up to a stop token or max_new_tokens (which
         finish the row) and record the step; then commit the KV cache: move an accepted tree
-        path into sequence order, tell the drafter what was verified, and set each row's length
-        to what it kept (the rejected drafts' slots are rolled back). All on the device, in place."""
-        m, B, dev, ws = self.model, self.B, self.dev, self.ws
-        cache_len = m.cache.lengths[:B]
+        path into sequence order, set each row's length to what it kept (the rejected drafts'
+        slots are rolled back) and tell the drafter what was verified. All on the device, in place."""
+        m, B, ws = self.model, self.B, self.ws
         if d.tree is not None:
+            cache_len = m.cache.lengths[:B]
             m.compact(cache_len[:, None] + v.slots, cache_len)
-        act, n_acc, toks = d.active, v.num_accepted, v.tokens
-        W = toks.shape[1]
-        pos = torch.arange(W, device=dev)
-        is_stop = (toks[:, :, None] == ws.stops[:, None, :]).any(-1) & (pos <= n_acc[:, None])
-        any_stop = is_stop.any(1)
-        first_stop = torch.where(any_stop, is_stop.long().argmax(1), W)
-        room = ws.max_new - (ws.hist_len - ws.prompt_len)
-        n_emit = torch.minimum(torch.minimum(n_acc + 1, room), first_stop + 1)
-        n_emit = torch.where(act, n_emit, 0)
-        hit = act & any_stop & (first_stop < n_emit)
-        idx = (ws.hist_len[:, None] + pos).clamp(max=ws.hist.shape[1] - 1)
-        ws.hist.scatter_(1, idx, torch.where(pos < n_emit[:, None], toks, ws.hist.gather(1, idx)))
-        if d.tree is not None:
-            depth = d.tree.depths.amax().expand(B)
-        else:
-            depth = d.num
-        rec = torch.stack([act.long(), d.num, n_acc, n_emit, torch.where(d.num > 0, depth, 0)])
-        ws.rec.index_copy_(0, ws.step.clamp(max=ws.rec.shape[0] - 1), rec[None])
-        committed = torch.where(act, n_acc + 1, 0)
+        depth = d.tree.depths.amax().expand(B) if d.tree is not None else d.num
+        start, committed = self._commit_rows(ws.hist, ws.hist_len, ws.prompt_len, ws.max_new, ws.stops, ws.stopped,
+                                             ws.active, ws.rec, ws.step, ws.flag, m.cache.lengths, d.active, d.num,
+                                             depth, v.num_accepted, v.tokens)
         if self.drafter is not None:
+            W = v.tokens.shape[1]
             sel = v.slots[:, :W, None]
             aux, fin = v.out.aux, v.out.final
             self.drafter.update(Verified(
-                start=cache_len.clone(), count=committed, next_tokens=toks,
+                start=start, count=committed, next_tokens=v.tokens,
                 aux=aux.gather(1, sel.expand(-1, -1, aux.shape[-1])) if aux is not None else None,
                 final=fin.gather(1, sel.expand(-1, -1, fin.shape[-1])) if fin is not None else None))
-        cache_len += committed
-        ws.hist_len += n_emit
-        finished = hit | (ws.hist_len - ws.prompt_len >= ws.max_new)
-        ws.stopped |= hit
-        ws.active &= ~finished
-        ws.step += 1
-        ws.flag.copy_(torch.stack([ws.active.any().long(), cache_len.max()]))
 
     def step(self) -> None:
         """One speculative step on the device: draft, verify, commit (no host sync for

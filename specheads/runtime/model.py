@@ -315,6 +315,7 @@ class TargetModel(nn.Module):
         self.rope_scale = float(rope_scale)
         self.cache: KVCache | None = None
         self.compiled = False
+        self._inputs = self._inputs_impl
         self._graphs = None
         self.workspaces: dict = {}       # generate's per-shape device state and step graphs
         self._graph_pool = None
@@ -436,7 +437,9 @@ class TargetModel(nn.Module):
 
     def compile_layers(self, **compile_kwargs) -> "TargetModel":
         """``torch.compile`` each decoder layer (gpt-fast's lever for launch-bound decoding): Inductor
-        fuses RMSNorm, RoPE, the K/V write and the SwiGLU elementwise work into a few kernels. The
+        fuses RMSNorm, RoPE, the K/V write and the SwiGLU elementwise work into a few kernels; the
+        forward's inputs (mask, RoPE rows, write index, embeddings) are compiled too, and ``generate``
+        compiles a step's bookkeeping on a compiled engine. The
         layers share one compiled graph per input shape (parameters are graph inputs), so 30 layers
         cost one compilation; the first call of a new shape compiles (seconds), which is why
         ``generate`` runs a new shape eagerly once before capturing it in a CUDA graph. Shapes are
@@ -447,6 +450,7 @@ class TargetModel(nn.Module):
         allow_recompiles()
         for layer in self.layers:
             layer.compile(**compile_kwargs)
+        self._inputs = torch.compile(self._inputs_impl, **compile_kwargs)
         self.compiled = True
         return self
 
@@ -469,24 +473,12 @@ class TargetModel(nn.Module):
         c = self.cache
         if B > c.max_batch:
             raise ValueError(f"batch {B} > cache max_batch {c.max_batch}")
-        lengths = c.lengths[:B] if rows is None else c.lengths[rows]
-        ar = torch.arange(T, device=input_ids.device)
-        if write_pos is None:
-            write_pos = lengths[:, None] + ar
-        if positions is None:
-            positions = lengths[:, None] + ar
-        write_pos = write_pos.clamp(max=c.max_seq - 1)
         kv_len = c.slots if kv_len is None else min(round_up(kv_len), c.slots)
-        a = self.args
-        vis = build_attn_mask(lengths, write_pos, attn_mask, kv_len)
-        mask = additive_mask(vis, self.dtype, a.num_heads // a.num_kv_heads)
-        positions = positions.clamp(max=c.max_seq - 1)
-        cos, sin_s = self.cos_t[positions][:, :, None], self.sin_t[positions][:, :, None]   # [B, T, 1, D]
+        x, mask, cos, sin_s, index = self._inputs(input_ids, positions, write_pos, attn_mask, kv_len, rows)
         want = {int(i) for i in aux_layer_ids}
         L = self.args.num_layers
-        index = kv_write_index(write_pos, a.num_kv_heads, rows)
         captured = {}
-        x, delta = self.embed(input_ids), None
+        delta = None
         for i, layer in enumerate(self.layers):
             x_in, x, delta = layer(x, delta, cos, sin_s, c.k[i], c.v[i], index, mask, kv_len, rows)
             if i in want:
@@ -501,6 +493,25 @@ class TargetModel(nn.Module):
                 h = final.gather(1, logits_index[:, :, None].expand(-1, -1, final.shape[-1]))
             logits = self.lm_head(h)
         return ForwardOutput(logits=logits, aux=aux, final=final if return_final else None)
+
+    def _inputs_impl(self, input_ids, positions, write_pos, attn_mask, kv_len: int, rows):
+        """What every layer of a forward reads: the embeddings, the additive attention mask, the RoPE
+        rows, the K/V write index (``compile_layers`` compiles this too: ~20 small kernels eagerly)."""
+        c, a = self.cache, self.args
+        T = input_ids.shape[1]
+        lengths = c.lengths[:input_ids.shape[0]] if rows is None else c.lengths[rows]
+        ar = torch.arange(T, device=input_ids.device)
+        if write_pos is None:
+            write_pos = lengths[:, None] + ar
+        if positions is None:
+            positions = lengths[:, None] + ar
+        write_pos = write_pos.clamp(max=c.max_seq - 1)
+        vis = build_attn_mask(lengths, write_pos, attn_mask, kv_len)
+        mask = additive_mask(vis, self.dtype, a.num_heads // a.num_kv_heads)
+        positions = positions.clamp(max=c.max_seq - 1)
+        cos, sin_s = self.cos_t[positions][:, :, None], self.sin_t[positions][:, :, None]   # [B, T, 1, D]
+        index = kv_write_index(write_pos, a.num_kv_heads, rows)
+        return self.embed(input_ids), mask, cos, sin_s, index
 
     # ---- CUDA graphs --------------------------------------------------------------------
     def graphed_step(self, input_ids, positions, write_pos, attn_mask, aux_layer_ids=(),
