@@ -31,7 +31,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 # 1. tests: the CUDA ones, the CPU runtime ones, the verify kernels compiled for the GPU
 if [ -z "${SKIP_TESTS:-}" ]; then
-  TRITON_INTERPRET=0 stage tests 270 "$OUT/tests.txt" \
+  TRITON_INTERPRET=0 stage tests 420 "$OUT/tests.txt" \
     python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime.py tests/test_kernels_verify.py \
     tests/test_kernels_attention.py
   tail -n 3 "$OUT/tests.txt" | tee -a "$OUT/timeline.txt"
