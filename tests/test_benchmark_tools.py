@@ -1,0 +1,53 @@
+"""The analysis scripts of benchmarks/: offline-vs-online loss curves and where synthesized duplicates come from."""
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _metrics(path, losses, eval_losses, tps):
+    rows = [{"split": "train", "step": i + 1, "loss": x, "tokens_per_s": tps} for i, x in enumerate(losses)]
+    rows += [{"split": "eval", "step": s, "loss": x} for s, x in eval_losses]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_loss_curves_compared_step_by_step(tmp_path):
+    mod = _load("compare_loss_curves")
+    a = _metrics(tmp_path / "a.jsonl", [4.0, 3.0, 2.0], [(0, 5.0), (3, 2.5)], 100.0)
+    b = _metrics(tmp_path / "b.jsonl", [4.0, 3.3, 2.0, 1.0], [(0, 5.0), (3, 2.0)], 40.0)
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    assert mod.main([str(a), str(b), "--labels", "offline,online", "--out", str(out), "--plot", str(png)]) == 0
+    res = json.loads(out.read_text())
+    assert res["train"]["steps"] == [1, 2, 3]                 # only the steps both logged
+    assert abs(res["train"]["max_abs_diff"] - 0.3) < 1e-9
+    assert abs(res["eval"]["max_rel_diff"] - 0.2) < 1e-9
+    assert (res["median_tokens_per_s_a"], res["median_tokens_per_s_b"]) == (100.0, 40.0)
+    assert png.stat().st_size > 0
+    assert mod.main(["--from", str(out), "--plot", str(tmp_path / "d.png")]) == 0
+
+
+def test_duplicates_are_traced_to_their_opener(tmp_path):
+    mod = _load("synth_duplicates")
+    seeds = {"categories": {"qa": {"openers": ["", "What is", "Explain {topic} simply."], "topics": ["x"]}}}
+    kept = [{"category": "qa", "turns": ["Explain rain simply."]}, {"category": "qa", "turns": ["What is rain?"]},
+            {"category": "qa", "turns": ["Tell me a joke"]}, {"category": "summarize", "turns": ["Summarize: ..."]}]
+    dropped = [{"category": "qa", "reason": "exact_duplicate", "turns": ["Explain rain simply."]},
+               {"category": "qa", "reason": "near_duplicate", "turns": ["Explain snow simply."]},
+               {"category": "qa", "reason": "no_end", "turns": ["What is the"]},
+               {"category": "qa", "reason": "too_short", "turns": []}]
+    res = mod.analyse(kept, dropped, seeds)
+    top = res["by_opener"][0]
+    assert (top["opener"], top["attempts"], top["duplicates"]) == ("Explain {topic} simply.", 3, 2)
+    rows = {(r["category"], r["opener"]): r for r in res["by_opener"]}
+    assert rows[("qa", "What is")]["attempts"] == 2 and rows[("qa", "What is")]["duplicates"] == 0
+    assert rows[("summarize", "")]["attempts"] == 1
+    assert res["duplicates"] == 2 and abs(res["near_duplicate_rate"] - 2 / 6) < 1e-9
