@@ -53,3 +53,20 @@ def tiny_target_dir(tmp_path_factory, smollm2_tokenizer):
     LlamaForCausalLM(cfg).save_pretrained(d)
     smollm2_tokenizer.save_pretrained(d)
     return d
+
+
+@pytest.fixture
+def engine_dtypes(monkeypatch):
+    """The dtype of every runtime engine built while the test runs (``TargetModel.from_hf``), in order."""
+    import specheads.runtime.model as engine_module
+
+    seen = []
+    from_hf = engine_module.TargetModel.from_hf
+
+    def spy(hf, *a, **kw):
+        m = from_hf(hf, *a, **kw)
+        seen.append(m.dtype)
+        return m
+
+    monkeypatch.setattr(engine_module.TargetModel, "from_hf", spy)
+    return seen

@@ -65,6 +65,25 @@ def test_regenerate_refuses_other_recipes_data(tiny, tiny_target_dir, tmp_path):
         run_regenerate(_recipe(tmp_path, (tiny_target_dir, prompts), **{"data.regenerate.out": foreign}), target=tiny)
 
 
+def test_engine_dtype_is_a_setting_of_the_file(tiny, tiny_target_dir, tmp_path, engine_dtypes):
+    """data.regenerate.dtype answers in bf16 under an fp32 target (the H200 recipe's choice); a file written
+    at one dtype is not resumed at another, and a file written without the setting still resumes."""
+    import torch
+
+    seen = engine_dtypes
+    prompts = _prompt_file(tmp_path)
+    s = run_regenerate(_recipe(tmp_path / "a", (tiny_target_dir, prompts), **{"data.regenerate.dtype": "bfloat16"}),
+                       target=tiny)
+    assert seen == [torch.bfloat16] and tiny.dtype == torch.float32
+    assert s["dtype"] == "bfloat16" and s["conversations"] > 0
+    with pytest.raises(RegenerateError, match="differing: data.regenerate.dtype"):
+        run_regenerate(_recipe(tmp_path / "a", (tiny_target_dir, prompts), **{"data.regenerate.dtype": "float32"}),
+                       target=tiny)
+    plain = _recipe(tmp_path / "b", (tiny_target_dir, prompts))
+    assert "data.regenerate.dtype" not in plain.stage_inputs("regenerate")
+    assert run_regenerate(plain, target=tiny)["dtype"] == "float32"
+
+
 def test_chat_continuous_multi_turn_equals_one_at_a_time(tiny):
     """Continuous batching: each next turn is a new prefill of the conversation so far; answers
     equal the fixed one-conversation batches (greedy), results come back in input order, and an

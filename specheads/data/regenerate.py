@@ -67,6 +67,7 @@ def load_prompt_items(recipe) -> tuple[list[dict], dict]:
 
 
 def run_regenerate(recipe, target=None) -> dict:
+    import torch
     from tqdm import tqdm
 
     from specheads.runtime.chat import chat_generate
@@ -87,15 +88,16 @@ def run_regenerate(recipe, target=None) -> dict:
     max_turns = max((len(it["turns"]) for it in todo), default=1)
     max_seq = g.max_prompt_tokens * max_turns + max_turns * (g.max_new_tokens + 32) + 64
     max_seq = min(max_seq, int(getattr(target.config, "max_position_embeddings", 8192) or 8192))
+    dtype = getattr(torch, g.dtype) if g.dtype else target.dtype
     drafter = None
     if g.head:
         from specheads.export.convert import load_head_for
         from specheads.runtime.drafters import drafter_for_head
 
         head, _meta = load_head_for(g.head, target)
-        drafter = drafter_for_head(head.to(device=target.device, dtype=target.dtype).eval())
+        drafter = drafter_for_head(head.to(device=target.device, dtype=dtype).eval())
         drafter = drafter.compile() if g.compile else drafter
-    engine = TargetModel.from_hf(target.model, max_batch=g.batch_size, max_seq=max_seq)
+    engine = TargetModel.from_hf(target.model, max_batch=g.batch_size, max_seq=max_seq, dtype=dtype)
     if g.compile:
         engine.compile_layers()
     sampling = g.temperature > 0
@@ -137,7 +139,8 @@ def run_regenerate(recipe, target=None) -> dict:
     elapsed = time.time() - t0
     summary = {"out": str(out), "already_done": len(done), "prompts": len(items), **stats, **written,
                "seconds": elapsed, "tokens_per_s": written["tokens"] / elapsed if elapsed else 0.0,
-               "batch_size": g.batch_size, "device": str(engine.device), "drafter": g.head, "compiled": g.compile}
+               "batch_size": g.batch_size, "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
+               "drafter": g.head, "compiled": g.compile}
     # this run's figures beside the output (a resumed run writes its own part's)
     write_json_atomic(out.parent / SUMMARY_NAME, summary)
     print(f"regenerated {written['conversations']} conversations ({written['tokens']} tokens, "
