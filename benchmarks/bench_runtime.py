@@ -59,7 +59,14 @@ DRAFTERS = ("plain", "ngram", "head", "hybrid")
 # a compiled decode step is ~50% cuBLAS GEMMs of ~3.8 us each for ~1.7 MB of weights (launch-latency bound,
 # H200 2026-12-01): max-autotune lets Inductor time its own Triton GEMMs against them for these shapes
 # (they came within ~5% of cuBLAS, and tuning took minutes: BENCHMARKS.md, second H200 sitting).
-ENGINES = {"eager": None, "compiled": {}, "autotune": {"mode": "max-autotune-no-cudagraphs"}}
+ENGINES = {"eager": None, "compiled": {}, "compiled_layers": {}, "compiled_eager_inputs": {},
+           "autotune": {"mode": "max-autotune-no-cudagraphs"}}
+# compiled_layers: the target's layers compiled, its forward's inputs and a step's bookkeeping eager;
+# compiled_eager_inputs: only the forward's inputs eager (the drafters as in "compiled" in both). The A/B
+# for the fourth H200 sitting, where compiling the inputs and the bookkeeping too made drafted steps faster
+# at batch 1 and ~0.35 ms slower at batch 8 and 48: these two engines tell which part is slow
+ENGINE_PARTS = {"compiled_layers": {"inputs": False, "bookkeeping": False},
+                "compiled_eager_inputs": {"inputs": False}}
 
 
 def sync(dev):
@@ -285,9 +292,11 @@ def main(argv=None):
     ap.add_argument("--drafters", default=",".join(DRAFTERS),
                     help=f"comma list of {DRAFTERS} (head/hybrid need --head)")
     ap.add_argument("--engines", default="eager",
-                    help="comma list of eager,compiled,autotune: compiled = torch.compile'd engine layers and "
-                         "head steps (TargetModel.compile_layers, HeadDrafter.compile), autotune = the same with "
-                         "Inductor's max-autotune GEMM search; all timed in the same run")
+                    help="comma list of " + ",".join(ENGINES) + ": compiled = torch.compile'd engine layers, "
+                         "forward inputs, step bookkeeping and drafter units (TargetModel.compile_layers, "
+                         "HeadDrafter.compile); compiled_layers = the same with the forward's inputs and the "
+                         "bookkeeping eager; compiled_eager_inputs = only the inputs eager; autotune = compiled "
+                         "with Inductor's max-autotune GEMM search; all timed in the same run")
     ap.add_argument("--repeat", type=int, default=1, help="timed runs per row (the fastest counts)")
     ap.add_argument("--hf", action="store_true", help="also time Hugging Face generate (plain)")
     ap.add_argument("--profile", action="store_true", help="profile one plain and one drafted step at the first --batches size (last engine)")
@@ -327,7 +336,7 @@ def main(argv=None):
         m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
         head = load_head(a.head, tgt, m) if a.head else None
         if ENGINES[eng] is not None:
-            m.compile_layers(**ENGINES[eng])
+            m.compile_layers(**ENGINE_PARTS.get(eng, {}), **ENGINES[eng])
             head = head.compile(**ENGINES[eng]) if head is not None else None
         drafters = []                                            # (name, factory): a fresh drafter per batch
         for name in wanted:

@@ -7,7 +7,7 @@
 # head and hybrid rows), DTYPE=float32|bfloat16 (default bfloat16), NEW=<new tokens> (default 128),
 # BATCHES (default 1,8,48), ENGINES (default eager,compiled: both engines timed in one run, each one profiled),
 # REPEAT (timed runs per row, the fastest counts; default 1), ATTN_AB=1 (also the last engine with SDPA attention),
-# PROFILE_ALL=1 (profile every drafter, not only the last), PROFILE_SKIP=N (decode steps before the profiled
+# TESTS (the test files of step 1), PROFILE_ENGINES (the engines profiled in step 3; default: ENGINES), PROFILE_ALL=1 (profile every drafter, not only the last), PROFILE_SKIP=N (decode steps before the profiled
 # ones: a longer context, as in the tail of the timed runs),
 # DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
 # Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile_*.txt, timeline.txt.
@@ -32,8 +32,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # 1. tests: the CUDA ones, the CPU runtime ones, the verify kernels compiled for the GPU
 if [ -z "${SKIP_TESTS:-}" ]; then
   TRITON_INTERPRET=0 stage tests 420 "$OUT/tests.txt" \
-    python3 -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime.py tests/test_kernels_verify.py \
-    tests/test_kernels_attention.py
+    python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_runtime_cuda.py tests/test_runtime.py \
+    tests/test_kernels_verify.py tests/test_kernels_attention.py}
   tail -n 3 "$OUT/tests.txt" | tee -a "$OUT/timeline.txt"
 fi
 
@@ -57,7 +57,7 @@ fi
 
 # 3. the profile of each engine: one plain and one drafted step at batch 1 and 8 (PROFILE_BATCHES; kernel
 #    table; ms per step with and without graphs)
-for eng in ${ENGINES//,/ }; do
+for eng in ${PROFILE_ENGINES:-${ENGINES//,/ }}; do
   for pb in ${PROFILE_BATCHES:-1 8}; do
     stage "profile_${eng}_b$pb" 240 "$OUT/profile_${eng}_b$pb.txt" \
       python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$pb" \

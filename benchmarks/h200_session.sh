@@ -2,10 +2,11 @@
 # One H200 sitting for the throughput goals of issues 14, 12 and 13, eager against torch.compile in the same
 # run: a quick demo head trained on the GPU (so the head and hybrid rows have a real head; its τ is low,
 # speedup ÷ τ is what the runtime goals are about), then
+#   0b. with ONLINE_AB=1, the demo head trained again online (the target inside the trainer) against the dump;
 #   1. benchmarks/h200_runtime.sh: the runtime's GPU tests, plain / n-gram / head / hybrid at batch 1, 8, 48
 #      on the eager and the compiled engine, and a profile of each (issue 14);
 #   2. benchmarks/bench_generate.py at batch GB (256) over GP (1024) prompts, refilling free slots at 1, 16 and 64 free (issue 12;
-#      GEN_MODES="refill1 compiled" adds the compiled engine: 4x slower than eager on 2026-12-01);
+#      GEN_MODES="refill1 compiled" adds the compiled engine: 4x slower than eager on 2026-12-01; GEN_MODES=none skips it);
 #   2b. with AUTOTUNE=1, benchmarks/bench_runtime.py, compiled against max-autotune compiled (issue 14);
 #   2c. with SYNTH_PROMPTS=N, `data synthesize` of N prompts (issue 12's 100k goal) at batch SYNTH_BATCH;
 #   3. benchmarks/bench_train.py, the SmolLM2 head at TTT 7, eager and compiled (issue 13; TRAIN_BENCH=0 skips).
@@ -34,11 +35,19 @@ stage regenerate $S data regenerate $R "${OV[@]}" && stage prepare $S data prepa
 stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && stage train $S train $R "${OV[@]}" && \
 stage export $S export $R "${OV[@]}"
 grep -E "regenerated|token rows|draft vocab|trained|held-out" "$OUT/log.txt" | tee -a "$OUT/timeline.txt"
+# 0b. ONLINE_AB=1: the same head trained again with the target inside the trainer (dump.mode=online, issue 13):
+#     same rows and batches, so the two loss curves should agree; the two runs' tok/s side by side
+if [ "${ONLINE_AB:-0}" = 1 ]; then
+  stage train_online $S train $R "${OV[@]}" dump.mode=online train.out=$DEMO/train_online
+  python3 benchmarks/compare_loss_curves.py $DEMO/train/metrics.jsonl $DEMO/train_online/metrics.jsonl \
+    --labels offline,online --out "$OUT/online_vs_offline.json" --plot "$OUT/online_vs_offline.png" 2>&1 | tee -a "$OUT/timeline.txt"
+fi
 
 mkdir -p "$OUT/runtime"
 LIMIT=900 stage runtime env ${RT[@]+"${RT[@]}"} HEAD=$DEMO/export/speculators OUT="$OUT/runtime" DEVICE=$DEVICE \
   bash benchmarks/h200_runtime.sh
 for mode in ${GEN_MODES:-refill1 refill16 refill64}; do
+  [ "$mode" = none ] && continue
   flag=(--refill-at "${mode#refill}"); [ $mode = compiled ] && flag=(--compile)
   LIMIT=400 stage "generate_$mode" python3 benchmarks/bench_generate.py --device $DEVICE --batch $GB --prompts $GP \
     --new-tokens $GN ${flag[@]+"${flag[@]}"} --out "$OUT/bench_generate_$mode.json"

@@ -11,15 +11,21 @@ import torch
 from test_runtime import PROMPTS, _head, tiny
 from specheads.runtime import generate
 from specheads.runtime.drafters import Eagle3Drafter, HybridDrafter, NGramDrafter
+from specheads.runtime.generate import Generation, chain_draft, commit_rows
 from specheads.runtime.model import RECOMPILE_LIMIT, TargetModel
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 @pytest.fixture(scope="module")
-def engines():
+def hf_model():
+    return tiny("llama")
+
+
+@pytest.fixture(scope="module")
+def engines(hf_model):
     torch._dynamo.reset()
-    hf = tiny("llama")
+    hf = hf_model
     eager = TargetModel.from_hf(hf, max_batch=4, max_seq=160)
     compiled = TargetModel.from_hf(hf, max_batch=4, max_seq=160).compile_layers()
     return eager, compiled
@@ -135,4 +141,21 @@ def test_compiled_head_sampled_and_tree_paths(engines):
     plain = generate(eager, PROMPTS, 10, stop_token_ids=())
     ref = generate(eager, PROMPTS, 10, drafter=Eagle3Drafter(head), tree=tree, stop_token_ids=())
     got = generate(compiled, PROMPTS, 10, drafter=Eagle3Drafter(head).compile(), tree=tree, stop_token_ids=())
+    assert got.tokens == plain.tokens and _per_step(got) == _per_step(ref)
+
+
+def test_layers_only_engine_leaves_inputs_and_bookkeeping_eager(engines, hf_model):
+    """compile_layers(inputs=False, bookkeeping=False): the layers compiled, the forward's inputs and a
+    step's bookkeeping eager (bench_runtime's compiled_layers engine, the A/B against the full compiled
+    engine); it decodes what the eager engine decodes, step by step."""
+    eager, _ = engines
+    layers_only = TargetModel.from_hf(hf_model, max_batch=4, max_seq=160).compile_layers(inputs=False, bookkeeping=False)
+    assert layers_only.compiled and not layers_only.compiled_bookkeeping
+    assert layers_only._inputs == layers_only._inputs_impl
+    gen = Generation(layers_only, PROMPTS, 4, drafter=NGramDrafter(backend="device"), k=3, stop_token_ids=())
+    assert gen._commit_rows is commit_rows and gen._chain_draft is chain_draft
+    plain = generate(eager, PROMPTS, 12, stop_token_ids=())
+    ref = generate(eager, PROMPTS, 12, drafter=NGramDrafter(backend="device"), k=3, stop_token_ids=())
+    got = generate(layers_only, PROMPTS, 12, drafter=NGramDrafter(backend="device").compile(), k=3,
+                   stop_token_ids=())
     assert got.tokens == plain.tokens and _per_step(got) == _per_step(ref)

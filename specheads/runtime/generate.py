@@ -341,8 +341,8 @@ class Generation:
             ws = model.workspaces[key] = _Workspace(B, model.max_seq, self.Wu, *key[2:], dev)
         self.ws = ws
         self.stats = {"captured": 0, "replayed": 0, "eager": 0, "failed": 0}
-        self._commit_rows = _fused(commit_rows, model.compiled)
-        self._chain_draft = _fused(chain_draft, model.compiled)
+        self._commit_rows = _fused(commit_rows, model.compiled_bookkeeping)
+        self._chain_draft = _fused(chain_draft, model.compiled_bookkeeping)
         self.graph_safe = self.capture = self.inner_graphs = self.pipelined = False
         self.kv_len = model.cache.slots
         self.known_max, self.known_step, self.steps_run = 0, -1, 0

@@ -314,7 +314,7 @@ class TargetModel(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
         self.rope_scale = float(rope_scale)
         self.cache: KVCache | None = None
-        self.compiled = False
+        self.compiled = self.compiled_bookkeeping = False
         self._inputs = self._inputs_impl
         self._graphs = None
         self.workspaces: dict = {}       # generate's per-shape device state and step graphs
@@ -435,7 +435,7 @@ class TargetModel(nn.Module):
     def compact(self, src_slots: torch.Tensor, dst_start: torch.Tensor) -> None:
         self.cache.compact(src_slots, dst_start)
 
-    def compile_layers(self, **compile_kwargs) -> "TargetModel":
+    def compile_layers(self, inputs: bool = True, bookkeeping: bool = True, **compile_kwargs) -> "TargetModel":
         """``torch.compile`` each decoder layer (gpt-fast's lever for launch-bound decoding): Inductor
         fuses RMSNorm, RoPE, the K/V write and the SwiGLU elementwise work into a few kernels; the
         forward's inputs (mask, RoPE rows, write index, embeddings) are compiled too, and ``generate``
@@ -445,13 +445,20 @@ class TargetModel(nn.Module):
         ``generate`` runs a new shape eagerly once before capturing it in a CUDA graph. Shapes are
         dynamic from the first call (``dynamic=True``; sizes 0 and 1 still specialise), so a growing
         attention width or another batch does not compile again inside a timed run. Outputs equal the
-        eager layers' up to floating-point reassociation (tests/test_runtime_compile.py)."""
+        eager layers' up to floating-point reassociation (tests/test_runtime_compile.py).
+
+        ``inputs=False`` / ``bookkeeping=False`` leave the forward's inputs / a step's bookkeeping
+        eager (the layers alone compiled, as before 2026-12-01 noon): on the H200 the engine with both
+        compiled made drafted steps faster at batch 1 and slower at batch 8 and 48 (BENCHMARKS.md,
+        fourth sitting), and ``bench_runtime.py --engines compiled,compiled_layers`` tells the two apart."""
         compile_kwargs.setdefault("dynamic", True)
         allow_recompiles()
         for layer in self.layers:
             layer.compile(**compile_kwargs)
-        self._inputs = torch.compile(self._inputs_impl, **compile_kwargs)
+        if inputs:
+            self._inputs = torch.compile(self._inputs_impl, **compile_kwargs)
         self.compiled = True
+        self.compiled_bookkeeping = bookkeeping
         return self
 
     # ---- forward ------------------------------------------------------------------------
