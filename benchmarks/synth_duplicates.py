@@ -18,20 +18,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import yaml  # noqa: E402
-
-from specheads.data.synthesize import resolve_source  # noqa: E402
+from specheads.config import SynthesizeConfig  # noqa: E402
+from specheads.data.appendlog import read_rows  # noqa: E402
+from specheads.data.synthesize import load_seeds  # noqa: E402
 
 DUPLICATE = ("exact_duplicate", "near_duplicate")
 
 
-def opener_patterns(seeds: dict) -> dict[str, list[tuple[str, re.Pattern]]]:
+def opener_patterns(openers: dict[str, list[str]]) -> dict[str, list[tuple[str, re.Pattern]]]:
     out = {}
-    for cat, spec in seeds.get("categories", {}).items():
-        pats = []
-        for o in spec.get("openers", []):
-            if o:
-                pats.append((o, re.compile(re.escape(o).replace(re.escape("{topic}"), ".+?"), re.S)))
+    for cat, ops in openers.items():
+        pats = [(o, re.compile(re.escape(o).replace(re.escape("{topic}"), ".+?"), re.S)) for o in ops if o]
         out[cat] = sorted(pats, key=lambda p: -len(p[0]))      # the longest opener that matches wins
     return out
 
@@ -43,12 +40,9 @@ def opener_of(patterns, category: str, text: str) -> str:
     return ""
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
-
-
-def analyse(kept: list[dict], dropped: list[dict], seeds: dict) -> dict:
-    pats = opener_patterns(seeds)
+def analyse(kept: list[dict], dropped: list[dict], openers: dict[str, list[str]]) -> dict:
+    """``openers``: category -> its openers, as the seeds give them."""
+    pats = opener_patterns(openers)
     attempts, dups = collections.Counter(), collections.Counter()
     for row, reason in [(r, None) for r in kept] + [(r, r.get("reason")) for r in dropped]:
         turns = row.get("turns") or [""]          # a prompt dropped before its first turn was written
@@ -75,7 +69,8 @@ def main(argv=None) -> int:
     dropped_path = path.with_name(path.name + ".dropped.jsonl")
     if not dropped_path.is_file():
         raise SystemExit(f"{dropped_path}: not found (the dropped prompts are written beside the kept ones)")
-    res = analyse(read_jsonl(path), read_jsonl(dropped_path), yaml.safe_load(resolve_source(a.seeds).read_text()))
+    seeds = load_seeds(SynthesizeConfig(seeds=a.seeds))
+    res = analyse(read_rows(path), read_rows(dropped_path), {c.name: c.openers for c in seeds.categories})
     print(f"{res['kept']} kept, {res['duplicates']} dropped as duplicates, "
           f"near-duplicate rate {100 * res['near_duplicate_rate']:.1f}%\n")
     print("| category | opener | attempts | duplicates | share |")

@@ -37,14 +37,14 @@ def test_loss_curves_compared_step_by_step(tmp_path):
 
 def test_duplicates_are_traced_to_their_opener(tmp_path):
     mod = _load("synth_duplicates")
-    seeds = {"categories": {"qa": {"openers": ["", "What is", "Explain {topic} simply."], "topics": ["x"]}}}
+    openers = {"qa": ["", "What is", "Explain {topic} simply."]}
     kept = [{"category": "qa", "turns": ["Explain rain simply."]}, {"category": "qa", "turns": ["What is rain?"]},
             {"category": "qa", "turns": ["Tell me a joke"]}, {"category": "summarize", "turns": ["Summarize: ..."]}]
     dropped = [{"category": "qa", "reason": "exact_duplicate", "turns": ["Explain rain simply."]},
                {"category": "qa", "reason": "near_duplicate", "turns": ["Explain snow simply."]},
                {"category": "qa", "reason": "no_end", "turns": ["What is the"]},
                {"category": "qa", "reason": "too_short", "turns": []}]
-    res = mod.analyse(kept, dropped, seeds)
+    res = mod.analyse(kept, dropped, openers)
     top = res["by_opener"][0]
     assert (top["opener"], top["attempts"], top["duplicates"]) == ("Explain {topic} simply.", 3, 2)
     rows = {(r["category"], r["opener"]): r for r in res["by_opener"]}

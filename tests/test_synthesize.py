@@ -256,10 +256,10 @@ def test_builtin_topic_openers_leave_their_sentence_open():
     verbatim from SmolLM2 in 85-97% of its uses (100k prompts on the H200, 2026-12-01): the target ends a
     user message where a whole question stands, and every such prompt after the first is a duplicate.
     The built-in seeds' topic openers leave the sentence for the target to finish."""
-    import yaml
+    from specheads.config import SynthesizeConfig
 
-    doc = yaml.safe_load(resolve_source("builtin:synthesize_seeds").read_text())
-    closed = [(cat, o) for cat, spec in doc["categories"].items() for o in spec["openers"]
+    seeds = load_seeds(SynthesizeConfig())
+    closed = [(c.name, o) for c in seeds.categories for o in c.openers
               if "{topic}" in o and o.rstrip().endswith((".", "?", "!"))]
     assert closed == []
 
