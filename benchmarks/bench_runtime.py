@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -59,14 +60,19 @@ DRAFTERS = ("plain", "ngram", "head", "hybrid")
 # a compiled decode step is ~50% cuBLAS GEMMs of ~3.8 us each for ~1.7 MB of weights (launch-latency bound,
 # H200 2026-12-01): max-autotune lets Inductor time its own Triton GEMMs against them for these shapes
 # (they came within ~5% of cuBLAS, and tuning took minutes: BENCHMARKS.md, second H200 sitting).
-ENGINES = {"eager": None, "compiled": {}, "compiled_layers": {}, "compiled_eager_inputs": {},
+ENGINES = {"eager": None, "compiled": {}, "compiled_layers": {}, "compiled_eager_inputs": {}, "compiled_as_r3": {},
            "autotune": {"mode": "max-autotune-no-cudagraphs"}}
-# compiled_layers: the target's layers compiled, its forward's inputs and a step's bookkeeping eager;
-# compiled_eager_inputs: only the forward's inputs eager (the drafters as in "compiled" in both). The A/B
-# for the fourth H200 sitting, where compiling the inputs and the bookkeeping too made drafted steps faster
-# at batch 1 and ~0.35 ms slower at batch 8 and 48: these two engines tell which part is slow
+# The A/B for the fourth H200 sitting, where compiling the forward's inputs, a step's bookkeeping and the
+# drafters' units too made drafted steps faster at batch 1 and ~0.35 ms slower at batch 8 and 48. Each engine
+# leaves one more part eager, so neighbouring rows tell which part is slow:
+#   compiled_eager_inputs: the forward's inputs eager;
+#   compiled_layers: the inputs and the bookkeeping eager (the target's layers compiled, drafters as "compiled");
+#   compiled_as_r3: that, and the drafters as in the third sitting too (the head's call compiled, its first
+#   pass and chain, the n-gram match and the hybrid's choice eager)
 ENGINE_PARTS = {"compiled_layers": {"inputs": False, "bookkeeping": False},
-                "compiled_eager_inputs": {"inputs": False}}
+                "compiled_eager_inputs": {"inputs": False},
+                "compiled_as_r3": {"inputs": False, "bookkeeping": False}}
+DRAFTER_UNITS = {"compiled_as_r3": False}            # HeadDrafter.compile(units=...): default True
 
 
 def sync(dev):
@@ -99,7 +105,39 @@ def bench_engine(m, prompts, new, repeat=1, **kw):
             "decode_tokens_per_s": (toks - len(prompts)) / max(1e-9, best.elapsed_s - best.prefill_s),
             "tau": s["tau"], "vllm_mean_acceptance_length": s["vllm_mean_acceptance_length"],
             "acceptance_rate": s["acceptance_rate"], "target_forwards": best.target_forwards,
-            "graph_stats": best.graph_stats, "outputs": best.tokens}
+            "graph_stats": best.graph_stats, "outputs": best.tokens,
+            **({"step_times": step_times(m, prompts, new, **kw)} if m.device.type == "cuda" else {})}
+
+
+def step_times(m, prompts, new, **kw):
+    """One more (untimed) run with CUDA events around every decode step: per attention width, the median
+    GPU time of a step and of the device's idle gap before it. The timed rate divided per step mixes the
+    two with the run's fixed costs; on the H200 (2026-12-02) a drafted cycle came out ~0.14 ms longer in
+    the timed runs than in the profile's early steps while a plain step did not, and this tells whether
+    the kernels grow with the context or the device waits for the host."""
+    gen = Generation(m, prompts, new, stop_token_ids=(), **kw)
+    gen.prefill()
+    marks = []
+    launch = gen._launch
+
+    def timed():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch()
+        end.record()
+        marks.append((gen.kv_len, start, end))
+
+    gen._launch = timed
+    gen.run()
+    torch.cuda.synchronize()
+    by = {}
+    for i, (kv, start, end) in enumerate(marks):
+        d = by.setdefault(kv, {"step": [], "gap": []})
+        d["step"].append(start.elapsed_time(end))
+        if i:
+            d["gap"].append(marks[i - 1][2].elapsed_time(start))
+    return {str(kv): {"steps": len(d["step"]), "step_ms": statistics.median(d["step"]),
+                      "gap_ms": statistics.median(d["gap"]) if d["gap"] else 0.0} for kv, d in sorted(by.items())}
 
 
 class _Random:
@@ -239,6 +277,15 @@ def markdown(res) -> str:
                      f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | "
                      f"{r['speedup_over_tau']:.2f} | {r['decode_speedup_over_tau']:.2f} | "
                      f"{r['tokens_per_s'] / eager_plain[r['batch']]:.2f}× |")
+    timed = [r for r in res["rows"] if r.get("step_times")]
+    if timed:
+        lines += ["", "GPU time per decode step by attention width (CUDA events, one more run; idle = the device's "
+                  "gap before a step):", "", "| engine | batch | drafter | width | steps | GPU ms/step | idle ms |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for r in timed:
+            for kv, t in r["step_times"].items():
+                lines.append(f"| {r.get('engine', 'eager')} | {r['batch']} | {r['drafter']} | {kv} | {t['steps']} | "
+                             f"{t['step_ms']:.3f} | {t['gap_ms']:.3f} |")
     if res.get("hf"):
         lines += ["", "| batch | HF generate tok/s | engine plain tok/s | engine ÷ HF |", "|---:|---:|---:|---:|"]
         for b, hf in res["hf"].items():
@@ -335,13 +382,14 @@ def main(argv=None):
     for eng in engine_names:
         m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
         head = load_head(a.head, tgt, m) if a.head else None
+        units = DRAFTER_UNITS.get(eng, True)
         if ENGINES[eng] is not None:
             m.compile_layers(**ENGINE_PARTS.get(eng, {}), **ENGINES[eng])
-            head = head.compile(**ENGINES[eng]) if head is not None else None
+            head = head.compile(units=units, **ENGINES[eng]) if head is not None else None
         drafters = []                                            # (name, factory): a fresh drafter per batch
         for name in wanted:
             if name == "ngram":                                  # 1..4, the eval default
-                drafters.append(("ngram", (lambda: NGramDrafter()) if ENGINES[eng] is None
+                drafters.append(("ngram", (lambda: NGramDrafter()) if ENGINES[eng] is None or not units
                                  else (lambda kw=ENGINES[eng]: NGramDrafter().compile(**kw))))
             elif name in ("head", "hybrid") and head is not None:
                 if name == "head":
@@ -350,7 +398,8 @@ def main(argv=None):
                     # compiled: the n-gram side and the choice too (the head's units already are)
                     drafters.append((f"hybrid (min_match {a.min_match})",
                                      lambda h=head, kw=ENGINES[eng]: make_drafter("hybrid", h, min_match=a.min_match)
-                                     if kw is None else make_drafter("hybrid", h, min_match=a.min_match).compile(**kw)))
+                                     if kw is None else make_drafter("hybrid", h, min_match=a.min_match)
+                                     .compile(units=units, **kw)))
         engines[eng] = (m, drafters)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,

@@ -9,6 +9,7 @@
 # REPEAT (timed runs per row, the fastest counts; default 1), ATTN_AB=1 (also the last engine with SDPA attention),
 # TESTS (the test files of step 1), PROFILE_ENGINES (the engines profiled in step 3; default: ENGINES), PROFILE_ALL=1 (profile every drafter, not only the last), PROFILE_SKIP=N (decode steps before the profiled
 # ones: a longer context, as in the tail of the timed runs),
+# DRAFTERS (bench_runtime's --drafters; default all), BENCH_LIMIT (seconds for step 2; default 400),
 # DEVICE (default cuda; cpu + SKIP_TESTS=1 + small NEW/BATCHES smoke-tests this script).
 # Writes everything under ${OUT:-out}: tests.txt, bench_runtime.{md,json,png}, profile_*.txt, timeline.txt.
 set -u
@@ -38,9 +39,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
 fi
 
 # 2. the benchmark: every drafter at batch 1, 8, 48 with CUDA graphs (table to .md, rows to .json, plot .png)
-stage bench 400 "$OUT/bench_runtime.md" \
+DRAFTER_ARGS=(); [ -n "${DRAFTERS:-}" ] && DRAFTER_ARGS=(--drafters "$DRAFTERS")
+stage bench "${BENCH_LIMIT:-400}" "$OUT/bench_runtime.md" \
   python3 benchmarks/bench_runtime.py --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs --batches "$BATCHES" \
-  --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} --engines "$ENGINES" --repeat "${REPEAT:-1}" \
+  --new-tokens "$NEW" ${HEAD_ARGS[@]+"${HEAD_ARGS[@]}"} ${DRAFTER_ARGS[@]+"${DRAFTER_ARGS[@]}"} \
+  --engines "$ENGINES" --repeat "${REPEAT:-1}" \
   --out "$OUT/bench_runtime.json" \
   --plot "$OUT/bench_runtime.png"
 grep -E '^\|' "$OUT/bench_runtime.md" | tee -a "$OUT/timeline.txt"

@@ -31,10 +31,15 @@ if [ -n "${SMALL:-}" ]; then
   GB=4; GP=8; GN=16; SHAPES=2x64; RT=(NEW=16 BATCHES=1 SKIP_TESTS=1); SK=(--steps 2 --warmup 1)
 fi
 S="python3 -m specheads.cli"
+# HEAD=<an exported speculators dir> (e.g. the demo head trained on the CPU and carried over) skips the demo
+# stages and the ONLINE_AB run: ~4 minutes of device time less
+if [ -n "${HEAD:-}" ]; then log "head: $HEAD (demo stages skipped)"; ONLINE_AB=0; else
+HEAD=$DEMO/export/speculators
 stage regenerate $S data regenerate $R "${OV[@]}" && stage prepare $S data prepare $R "${OV[@]}" && \
 stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && stage train $S train $R "${OV[@]}" && \
 stage export $S export $R "${OV[@]}"
 grep -E "regenerated|token rows|draft vocab|trained|held-out" "$OUT/log.txt" | tee -a "$OUT/timeline.txt"
+fi
 # 0b. ONLINE_AB=1: the same head trained again with the target inside the trainer (dump.mode=online, issue 13):
 #     same rows and batches, so the two loss curves should agree; the two runs' tok/s side by side
 if [ "${ONLINE_AB:-0}" = 1 ]; then
@@ -44,7 +49,7 @@ if [ "${ONLINE_AB:-0}" = 1 ]; then
 fi
 
 mkdir -p "$OUT/runtime"
-LIMIT=900 stage runtime env ${RT[@]+"${RT[@]}"} HEAD=$DEMO/export/speculators OUT="$OUT/runtime" DEVICE=$DEVICE \
+LIMIT=${RUNTIME_LIMIT:-900} stage runtime env ${RT[@]+"${RT[@]}"} HEAD=$HEAD OUT="$OUT/runtime" DEVICE=$DEVICE \
   bash benchmarks/h200_runtime.sh
 for mode in ${GEN_MODES:-refill1 refill16 refill64}; do
   [ "$mode" = none ] && continue
@@ -63,6 +68,9 @@ if [ -n "${SYNTH_PROMPTS:-}" ]; then
   cp $SD/data/synthesize_summary.json "$OUT/synthesize_$SYNTH_PROMPTS.json" 2>/dev/null
   cp $SD/data/synthesize_categories.png "$OUT/synthesize_${SYNTH_PROMPTS}_categories.png" 2>/dev/null
   grep -E "^synthesized " "$OUT/log.txt" | tail -1 | tee -a "$OUT/timeline.txt"
+  # where the duplicates come from, per category and opener (the recipe's seeds: the built-in ones)
+  python3 benchmarks/synth_duplicates.py $SD/data/synthesized.jsonl --out "$OUT/synthesize_${SYNTH_PROMPTS}_duplicates.json" \
+    2>&1 | head -30 | tee -a "$OUT/timeline.txt"
 fi
 # 2b. AUTOTUNE=1: Inductor's max-autotune GEMMs against the default compile at batch 1 and 8, profiled at
 #     batch 1. Off by default: on 2026-12-01 autotuning batch 1 took 220 s and batch 8 did not finish in 480 s,
@@ -70,7 +78,7 @@ fi
 #     (benchmarks/results/h200_session_2026-12-01_r2/autotune_gemms.json).
 if [ "${AUTOTUNE:-0}" = 1 ]; then
   LIMIT=480 stage autotune python3 benchmarks/bench_runtime.py --device $DEVICE --dtype bfloat16 --cuda-graphs \
-    --batches ${AUTOTUNE_BATCHES:-1,8} --new-tokens 128 --head $DEMO/export/speculators --engines compiled,autotune \
+    --batches ${AUTOTUNE_BATCHES:-1,8} --new-tokens 128 --head $HEAD --engines compiled,autotune \
     --profile --out "$OUT/runtime/bench_runtime_autotune.json"
   grep -E "^\| (compiled|autotune) |^### Profile" "$OUT/log.txt" | tail -12 | tee -a "$OUT/timeline.txt"
 fi

@@ -281,3 +281,40 @@ def test_eagle1_and_mtp_forward():
         l0, h0 = m.forward_step(ids[:, 1:2], f[:, :1], pos[:, :1], depth=0)
         l1, _ = m.forward_step(ids[:, 2:3], h0, pos[:, :1], depth=1)
         torch.testing.assert_close(l1[:, 0], lgs[1][:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_projections_equal_the_separate_ones_and_stay_out_of_training():
+    """fuse_projections (the runtime's drafters): q/k/v and gate/up as one GEMM each give the separate
+    projections' outputs, are not saved, are refreshed in place after the parameters change, and a
+    forward with autograd on (training) still runs through the parameters."""
+    from specheads.heads.layers import fuse_projections
+    head = make_e3(seed=3, attention_bias=True, mlp_bias=True)
+    keys = set(head.state_dict())
+    ids, hidden = torch.randint(0, VT, (2, 5)), torch.randn(2, 5, H)
+    pos = torch.arange(5)[None].expand(2, 5)
+    with torch.no_grad():
+        ref = head.forward_step(ids, hidden, pos)
+        fuse_projections(head)
+        got = head.forward_step(ids, hidden, pos)
+    attn, mlp = head.layers[0].self_attn, head.layers[0].mlp
+    assert attn.qkv_weight is not None and set(head.state_dict()) == keys
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+    # the parameters change: the next fuse refreshes the same buffer (captured graphs keep its address)
+    buf = attn.qkv_weight
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(0.5)
+        changed = head.forward_step(ids, hidden, pos)[0]
+        fuse_projections(head)
+        refreshed = head.forward_step(ids, hidden, pos)[0]
+    assert attn.qkv_weight is buf
+    with torch.no_grad():
+        attn.qkv_weight = attn.qkv_bias = mlp.gate_up_weight = mlp.gate_up_bias = None
+        unfused = head.forward_step(ids, hidden, pos)[0]
+    torch.testing.assert_close(refreshed, unfused, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(changed, unfused)                    # stale until refreshed
+    # autograd on: the parameters, not the (re-fused) copies, get the gradient
+    fuse_projections(head)
+    head.forward_step(ids, hidden, pos)[0].float().square().mean().backward()
+    assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.abs().sum() > 0
+    assert mlp.gate_proj.weight.grad is not None and mlp.up_proj.weight.grad.abs().sum() > 0

@@ -10,7 +10,7 @@ import torch
 
 from test_runtime import PROMPTS, _head, tiny
 from specheads.runtime import generate
-from specheads.runtime.drafters import Eagle3Drafter, HybridDrafter, NGramDrafter
+from specheads.runtime.drafters import Eagle3Drafter, HybridDrafter, NGramDrafter, hybrid_choice, ngram_match
 from specheads.runtime.generate import Generation, chain_draft, commit_rows
 from specheads.runtime.model import RECOMPILE_LIMIT, TargetModel
 
@@ -158,4 +158,29 @@ def test_layers_only_engine_leaves_inputs_and_bookkeeping_eager(engines, hf_mode
     ref = generate(eager, PROMPTS, 12, drafter=NGramDrafter(backend="device"), k=3, stop_token_ids=())
     got = generate(layers_only, PROMPTS, 12, drafter=NGramDrafter(backend="device").compile(), k=3,
                    stop_token_ids=())
+    assert got.tokens == plain.tokens and _per_step(got) == _per_step(ref)
+
+
+def test_head_compiled_without_units_calls_the_compiled_step(engines):
+    """HeadDrafter.compile(units=False) (bench_runtime's compiled_as_r3 engine): only the head's call is
+    compiled, and the eager first pass and greedy chain go through it; the hybrid built so leaves its
+    n-gram match and choice eager. Both decode what the eager drafters decode, step by step."""
+    eager, compiled = engines
+    head = _head("eagle3", 48)
+    d = Eagle3Drafter(head).compile(units=False)
+    assert d._inner_step is d._step and d._step is not d._step_impl
+    assert d._first_pass_fn == d._first_pass and d._greedy_chain_fn == d._greedy_chain
+    calls = []
+    step = d._step
+    d._step = d._inner_step = lambda *a, **kw: calls.append(1) or step(*a, **kw)
+    plain = generate(eager, PROMPTS, 10, stop_token_ids=())
+    ref = generate(eager, PROMPTS, 10, drafter=Eagle3Drafter(head), k=3, stop_token_ids=())
+    got = generate(compiled, PROMPTS, 10, drafter=d, k=3, stop_token_ids=())
+    assert got.tokens == plain.tokens and _per_step(got) == _per_step(ref)
+    assert calls                                           # the first pass and the chain took the compiled call
+    hybrid = HybridDrafter(Eagle3Drafter(head), NGramDrafter(backend="device"), min_match=2).compile(units=False)
+    assert hybrid._choose is hybrid_choice and hybrid.ngram._match is ngram_match
+    ref = generate(eager, PROMPTS, 10, drafter=HybridDrafter(Eagle3Drafter(head), NGramDrafter(backend="device"),
+                                                            min_match=2), k=3, stop_token_ids=())
+    got = generate(compiled, PROMPTS, 10, drafter=hybrid, k=3, stop_token_ids=())
     assert got.tokens == plain.tokens and _per_step(got) == _per_step(ref)

@@ -216,3 +216,22 @@ def test_compiled_engine_graphs_match_eager(cuda_llama, mode):
         assert [r.as_dict() for r in got.records] == [r.as_dict() for r in eager.records]
         assert got.graph_stats["failed"] == 0
     assert got.graph_stats["eager"] == 0 and got.graph_stats["captured"] == 0
+
+
+def test_bench_step_times_cover_every_step(cuda_llama):
+    """bench_runtime.step_times: CUDA events around every decode step, grouped by attention width;
+    every step of the run is counted once, with a positive GPU time and a non-negative idle gap."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_runtime.py"
+    spec = importlib.util.spec_from_file_location("bench_runtime", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    _, m = cuda_llama
+    for kw in ({}, {"drafter": Eagle3Drafter(_head("eagle3", 48).cuda()), "k": 3}):
+        ref = generate(m, PROMPTS, 30, stop_token_ids=(), use_cuda_graphs=True, **kw)
+        times = bench.step_times(m, PROMPTS, 30, use_cuda_graphs=True, **kw)
+        launches = ref.graph_stats["replayed"] + ref.graph_stats["eager"]      # the same run, step for step
+        assert sum(t["steps"] for t in times.values()) == launches
+        assert all(t["step_ms"] > 0 and t["gap_ms"] >= 0 for t in times.values())
+        assert all(int(kv) % 16 == 0 for kv in times)

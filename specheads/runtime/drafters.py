@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from specheads import kernels
 from specheads.errors import SpecheadsError
+from specheads.heads.layers import fuse_projections
 
 from .model import TargetModel, additive_mask, allow_recompiles, build_attn_mask, kv_write_index, round_up
 from .tree import DraftTree, Expansion, TreeConfig, build_dynamic_tree
@@ -374,19 +375,26 @@ class HeadDrafter(Drafter):
         self.state: _HeadState | None = None
         self.cache: DraftCache | None = None
         self.ctx: DraftContext | None = None
-        # the three units a step runs; ``compile`` swaps in torch.compile'd ones
+        # the three units a step runs; ``compile`` swaps in torch.compile'd ones. ``_inner_step`` is the
+        # head call inside the first pass and the greedy chain: the plain one, inlined when those are compiled
         self._step, self._first_pass_fn, self._greedy_chain_fn = self._step_impl, self._first_pass, self._greedy_chain
+        self._inner_step = self._step_impl
 
-    def compile(self, **compile_kwargs) -> "HeadDrafter":
+    def compile(self, units: bool = True, **compile_kwargs) -> "HeadDrafter":
         """Run the head's units through ``torch.compile`` (the head module itself is untouched): the
         first pass over the verified tokens, a greedy chain of draft steps, and one head call for
         the other paths, each with its masks and cache indices. Eagerly a drafted cycle is a few
-        hundred small kernels, and they are what makes a head's speedup fall short of its tau (issue 14)."""
+        hundred small kernels, and they are what makes a head's speedup fall short of its tau (issue 14).
+        ``units=False`` compiles the head call alone, the first pass and the chain around it eager (the
+        engine of the third H200 sitting, which ``bench_runtime.py --engines compiled_as_r3`` times)."""
         compile_kwargs.setdefault("dynamic", True)     # as TargetModel.compile_layers
         allow_recompiles()
         self._step = torch.compile(self._step_impl, **compile_kwargs)
-        self._first_pass_fn = torch.compile(self._first_pass, **compile_kwargs)
-        self._greedy_chain_fn = torch.compile(self._greedy_chain, **compile_kwargs)
+        if units:
+            self._first_pass_fn = torch.compile(self._first_pass, **compile_kwargs)
+            self._greedy_chain_fn = torch.compile(self._greedy_chain, **compile_kwargs)
+        else:
+            self._inner_step = self._step
         return self
 
     # -- vocabulary checks (before generation)
@@ -462,6 +470,9 @@ class HeadDrafter(Drafter):
 
     # --
     def start(self, ctx: DraftContext) -> None:
+        # q/k/v and gate/up as one GEMM each (refreshed in place: the head's parameters may have changed
+        # since the last call, and captured graphs read these very buffers)
+        fuse_projections(self.head)
         p = next(self.head.parameters())
         c = self.cfg
         key = (ctx.batch, ctx.max_seq, p.dtype, str(ctx.device))
@@ -500,7 +511,7 @@ class HeadDrafter(Drafter):
         pos = start[:, None] + torch.arange(W, device=dev)
         mask = build_attn_mask(c.lengths[:B], pos.clamp(max=kv_len - 1), None, kv_len)
         hidden = self.head.project(states) if self.kind == "eagle3" else states
-        logits, h = self._step_impl(next_tokens, hidden, pos, pos, mask, kv_len)
+        logits, h = self._inner_step(next_tokens, hidden, pos, pos, mask, kv_len)
         last = (count - 1).clamp(min=0)
         rows = torch.arange(B, device=dev)
         c.lengths[:B] = start + count
@@ -555,7 +566,7 @@ class HeadDrafter(Drafter):
         toks = []
         for s in range(k):
             if s > 0:
-                logits, h = self._chain_step(toks[-1], h, pos, base, s, kv_len, self._step_impl)
+                logits, h = self._chain_step(toks[-1], h, pos, base, s, kv_len, self._inner_step)
             # the draft-vocab argmax mapped to a target id (d2t is increasing, so this is the argmax
             # of the target-vocab logits, ties included) without widening to the target vocab
             toks.append(self._to_target(logits.argmax(-1)))
@@ -653,11 +664,15 @@ class HybridDrafter(Drafter):
     def graph_safe(self) -> bool:
         return bool(getattr(self.head, "graph_safe", False) and getattr(self.ngram, "graph_safe", False))
 
-    def compile(self, **compile_kwargs) -> "HybridDrafter":
-        for d in (self.head, self.ngram):
-            if hasattr(d, "compile"):
-                d.compile(**compile_kwargs)
-        self._choose = torch.compile(hybrid_choice, dynamic=False)
+    def compile(self, units: bool = True, **compile_kwargs) -> "HybridDrafter":
+        """The head's units, the n-gram match and the choice through torch.compile; ``units=False``:
+        the head's call alone (``HeadDrafter.compile``), the n-gram side and the choice eager."""
+        if hasattr(self.head, "compile"):
+            self.head.compile(units=units, **compile_kwargs)
+        if units:
+            if hasattr(self.ngram, "compile"):
+                self.ngram.compile(**compile_kwargs)
+            self._choose = torch.compile(hybrid_choice, dynamic=False)
         return self
 
     def check_target(self, vocab_size: int) -> None:
