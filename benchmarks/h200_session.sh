@@ -33,12 +33,14 @@ fi
 S="python3 -m specheads.cli"
 # HEAD=<an exported speculators dir> (e.g. the demo head trained on the CPU and carried over) skips the demo
 # stages and the ONLINE_AB run: ~4 minutes of device time less
-if [ -n "${HEAD:-}" ]; then log "head: $HEAD (demo stages skipped)"; ONLINE_AB=0; else
-HEAD=$DEMO/export/speculators
-stage regenerate $S data regenerate $R "${OV[@]}" && stage prepare $S data prepare $R "${OV[@]}" && \
-stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && stage train $S train $R "${OV[@]}" && \
-stage export $S export $R "${OV[@]}"
-grep -E "regenerated|token rows|draft vocab|trained|held-out" "$OUT/log.txt" | tee -a "$OUT/timeline.txt"
+if [ -n "${HEAD:-}" ]; then
+  log "head: $HEAD (demo stages skipped)"; ONLINE_AB=0
+else
+  HEAD=$DEMO/export/speculators
+  stage regenerate $S data regenerate $R "${OV[@]}" && stage prepare $S data prepare $R "${OV[@]}" && \
+  stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && stage train $S train $R "${OV[@]}" && \
+  stage export $S export $R "${OV[@]}"
+  grep -E "regenerated|token rows|draft vocab|trained|held-out" "$OUT/log.txt" | tee -a "$OUT/timeline.txt"
 fi
 # 0b. ONLINE_AB=1: the same head trained again with the target inside the trainer (dump.mode=online, issue 13):
 #     same rows and batches, so the two loss curves should agree; the two runs' tok/s side by side

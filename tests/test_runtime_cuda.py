@@ -221,12 +221,8 @@ def test_compiled_engine_graphs_match_eager(cuda_llama, mode):
 def test_bench_step_times_cover_every_step(cuda_llama):
     """bench_runtime.step_times: CUDA events around every decode step, grouped by attention width;
     every step of the run is counted once, with a positive GPU time and a non-negative idle gap."""
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_runtime.py"
-    spec = importlib.util.spec_from_file_location("bench_runtime", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from test_runtime_bench import _bench
+    bench = _bench()
     _, m = cuda_llama
     for kw in ({}, {"drafter": Eagle3Drafter(_head("eagle3", 48).cuda()), "k": 3}):
         ref = generate(m, PROMPTS, 30, stop_token_ids=(), use_cuda_graphs=True, **kw)

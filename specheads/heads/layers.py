@@ -244,17 +244,20 @@ class MLP(nn.Module):
 
 
 def _fused_copy(linears, weight, bias):
-    """The linears' weights (and biases) stacked along the output dim, into ``weight`` / ``bias`` when they
-    exist with that shape (in place), else into new tensors."""
+    """The linears' weights (and biases) stacked along the output dim, written into ``weight`` / ``bias``
+    when those fit (in place), else into new tensors."""
+    ws = [m.weight for m in linears]
+    bs = [m.bias for m in linears] if linears[0].bias is not None else None
+    rows = sum(w.shape[0] for w in ws)
+    fits = (weight is not None and weight.shape == (rows, *ws[0].shape[1:]) and weight.dtype == ws[0].dtype
+            and weight.device == ws[0].device)
     with torch.no_grad():
-        w = torch.cat([m.weight for m in linears])
-        b = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-        if weight is not None and weight.shape == w.shape and weight.dtype == w.dtype and weight.device == w.device:
-            weight.copy_(w)
-            if b is not None:
-                bias.copy_(b)
-            return weight, bias
-        return w, b
+        if not fits:
+            return torch.cat(ws), (torch.cat(bs) if bs else None)
+        torch.cat(ws, out=weight)
+        if bs:
+            torch.cat(bs, out=bias)
+    return weight, bias
 
 
 def fuse_projections(module: nn.Module) -> nn.Module:
