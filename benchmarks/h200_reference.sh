@@ -7,7 +7,8 @@
 # ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
 # Every stage resumes: a second run after a kill continues where the first stopped.
 # SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1); EXTRAS=1 adds the
-# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna. FRACTIONS and
+# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna; ABLATIONS=1 adds TTT 1 and
+# the EAGLE-1 and MTP heads on the same rows (the ABLATION_FRACTION share, 0.3), on held-back gsm8k. FRACTIONS and
 # LRS override the sweep (FRACTIONS=1 LRS=1e-3: no sweep, one run), COMPILE=1 and EXTRA_OV below.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -21,7 +22,7 @@ DEVICE=${DEVICE:-cuda}
 S="python3 -m specheads.cli"
 OV=(run_dir=$RUN target.device=$DEVICE "data.sources.6.path=$RUN/data/synthesized.jsonl")
 FRACTIONS=${FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-5e-4,1e-3,2e-3}; BATCHES=1,8,48; NEW=128
-SHAPES=16x256,64x512,128x256,32x1024; VL=80; GL=64
+SHAPES=${SHAPES:-16x256,64x512,128x256,32x1024}; VL=80; GL=64; TRAIN_MODES=${TRAIN_MODES:-eager,compiled}
 # COMPILE=1: torch.compile the trainer's head step and eval's engine and head (not synthesis or
 # regeneration: their changing prefill shapes made the compiled engine 4-8x slower on 2026-12-01);
 # EXTRA_OV: more recipe overrides
@@ -36,13 +37,20 @@ if [ -n "${SMALL:-}" ]; then
        data.regenerate.max_prompt_tokens=256 vocab.draft_vocab_size=4096 train.epochs=1 train.ttt_steps=2
        train.max_tokens_per_batch=2048 train.eval_every=4 train.eval_fraction=0.1 train.precision=fp32
        eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4 dump.batch_tokens=4096)
-  FRACTIONS=0.5,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3
+  FRACTIONS=0.5,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; TRAIN_MODES=eager; ABLATION_FRACTION=${ABLATION_FRACTION:-0.5}
 fi
+T0=$(date +%s)
+# EXTRAS and ABLATIONS start only while the run is within BUDGET_S seconds (default 21 min: the sitting's 25)
+in_budget() { local e=$(( $(date +%s) - T0 )); [ $e -lt ${BUDGET_S:-1260} ] && return 0
+  log "skipped: ${e}s elapsed, over BUDGET_S=${BUDGET_S:-1260}"; return 1; }
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
 stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-400}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; return $rc; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/timeline.txt"
+# the training benchmark first: it needs nothing from the pipeline
+LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
+  --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES --out "$OUT/bench_train.json"
 
 stage synthesize $S data synthesize $R "${OV[@]}" && stage regenerate $S data regenerate $R "${OV[@]}" && \
 stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && \
@@ -58,7 +66,12 @@ print(s['final']['train_dir'], s['best_lr'])")
     eval.limit=$VL eval.out=$RUN/eval_vicuna
   stage eval_gsm8k $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
     eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
-  if [ -n "${EXTRAS:-}" ]; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
+  # the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs,
+  # with per-step GPU time and the profile of one step at batch 1 (issue 14)
+  LIMIT=480 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
+    --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines ${RUNTIME_ENGINES:-compiled} \
+    --repeat ${REPEAT:-3} --profile --out "$OUT/bench_runtime.json"
+  if [ -n "${EXTRAS:-}" ] && in_budget; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
     LIMIT=150 stage eval_k5_t07_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
       eval.split=all eval.limit=$VL eval.out=$RUN/eval_extras eval.compare=[] --k 5
     LIMIT=150 stage eval_t07 $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
@@ -66,20 +79,40 @@ print(s['final']['train_dir'], s['best_lr'])")
     LIMIT=150 stage eval_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
       eval.limit=$VL eval.tree=4,4,16 eval.out=$RUN/eval_tree eval.compare=[]
   fi
-  LIMIT=480 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
-    --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines eager,compiled \
-    --out "$OUT/bench_runtime.json"
+  if [ -n "${ABLATIONS:-}" ] && in_budget; then
+    # issue 13's comparisons on the same rows: the TTT-7 head trained through torch.compile (the trainer's tok/s),
+    # the EAGLE-3 head with TTT 1, an EAGLE-1 and an MTP head, each trained on the AF share at the chosen lr like the
+    # sweep's TTT-7 run of that share, then all exported and run side by side on held-back gsm8k (one target load,
+    # one plain baseline). ABLATION_VARIANTS="name:key=value,key=value ..." replaces the list (the sweep's run leads)
+    AF=${ABLATION_FRACTION:-0.3}
+    BASE=$(python3 -c "import json; s = json.load(open('$RUN/sweep/sweep.json')); \
+print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 and r['lr'] == s['best_lr']))")
+    AB=$RUN/ablation; HEADS=()
+    for v in "eagle3_ttt7:" ${ABLATION_VARIANTS:-"eagle3_ttt7_compiled:train.compile=true" "eagle3_ttt1:train.ttt_steps=1" \
+             "eagle1:head.kind=eagle1,head.fc_bias=false,export.format=eagle" "mtp:head.kind=mtp,export.format=mtp"}; do
+      in_budget || break
+      name=${v%%:*}; o=${v#*:}; vo=(${o//,/ }); TD=$AB/train_$name; [ $name = eagle3_ttt7 ] && TD=$BASE
+      if [ $name != eagle3_ttt7 ]; then
+        LIMIT=300 stage "ablation_train_$name" $S train $R "${OV[@]}" train.data_fraction=$AF \
+          train.out=$TD train.resume=$([ -d $TD/checkpoints ] && echo true || echo false) ${vo[@]+"${vo[@]}"} || continue
+      fi
+      stage "ablation_export_$name" $S export $R "${OV[@]}" ${vo[@]+"${vo[@]}"} train.out=$TD export.out=$AB/$name \
+        && HEADS+=($AB/$name)
+    done
+    HL=$(IFS=,; echo "${HEADS[*]}")
+    [ ${#HEADS[@]} -gt 1 ] && LIMIT=300 stage eval_ablation $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
+      eval.limit=$GL "eval.head=[$HL]" eval.compare=[] eval.out=$RUN/eval_ablation
+  fi
 }
-LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
-  --smollm2-shapes $SHAPES --steps 5 --modes eager,compiled --out "$OUT/bench_train.json"
 stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \
   --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
   --eval vicuna_k5=$RUN/eval_extras --eval vicuna_t07=$RUN/eval_t07 --eval vicuna_tree=$RUN/eval_tree \
+  --eval gsm8k_holdout_ablation=$RUN/eval_ablation \
   --sweep $RUN/sweep --bench-runtime "$OUT/bench_runtime.json" --bench-train "$OUT/bench_train.json" \
   --timeline "$OUT/timeline.txt"
 tail -n 20 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"
 # the small reports travel back; the dump and checkpoints stay
-tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/sweep/sweep.* $RUN/sweep/*.png $RUN/sweep/*/metrics.jsonl \
+tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep/sweep.* $RUN/sweep/*.png $RUN/sweep/*/metrics.jsonl \
   $RUN/sweep/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json \
   $RUN/export/speculators/config.json $RUN/export/speculators/README.md 2>/dev/null
 log done

@@ -51,6 +51,8 @@ def eval_set(report: dict) -> dict:
     for run in report["runs"]:
         m = run["metrics"]
         key = _kind(run) if run.get("rule") == "greedy" and not run.get("tree") else run["name"]
+        if key == "head" and not str(run.get("name", "")).startswith("head"):
+            key = run["name"]  # several heads side by side (the ablations): each under its own label
         out["drafters"][key] = {
             "name": run["name"], "k": run.get("k"), "rule": run.get("rule"), "tau": m.get("tau"),
             "alpha": m.get("alpha"), "acceptance_rate": m.get("acceptance_rate"),

@@ -150,6 +150,9 @@ class HeadSection(_Section):
     num_mtp_depths: int = 1
     mtp_loss_weights: list[float] | None = None
     norm_before_residual: bool = False
+    # EAGLE-1's fc bias: null = the original EAGLE layout (with bias); false for a head vLLM serves (vLLM v1's
+    # llama_eagle builds fc without bias, and export refuses a non-zero one). EAGLE-3 heads have none.
+    fc_bias: bool | None = None
     intermediate_size: int | None = None  # default: the target's
     init_lm_head_from_target: bool = True  # copy target lm_head rows at the draft vocab
     warm_start: str | None = None  # an exported head directory (any supported format)

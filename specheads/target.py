@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -280,7 +281,7 @@ def load_tokenizer(source: str, *, chat_template: str | None = None, require_cha
 
     gguf = _gguf_path(source)
     if gguf is not None:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok = _cached_gguf_tokenizer(gguf)
     else:
         _check_hf_source(source)
         try:
@@ -356,19 +357,110 @@ def _load_tokenizer_and_model_loud(source: str, dtype: torch.dtype):
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    # GGUF tensors are dequantised to fp32 on load; cast afterwards.
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # The weights are dequantised in memory: drop the quantizer so the model saves and
-    # behaves as a plain HF model (save_pretrained, peft, vLLM export).
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    if not getattr(model.config, "architectures", None):
-        model.config.architectures = [type(model).__name__]
+    tok = _cached_gguf_tokenizer(path)
+    cache = gguf_cache_dir(path)
+    model = None
+    if cache is not None and (cache / "model").is_dir():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=torch.float32)
+        except (OSError, ValueError, RuntimeError) as e:  # a damaged cache costs one slow load, never a wrong model
+            print(f"\n[target] GGUF cache {cache / 'model'} unreadable ({type(e).__name__}: {e}); "
+                  f"reading {path} again", file=sys.stderr, flush=True)
+            shutil.rmtree(cache / "model", ignore_errors=True)
+    if model is None:
+        # GGUF tensors are dequantised to fp32 on load; cast afterwards.
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        # The weights are dequantised in memory: drop the quantizer so the model saves and
+        # behaves as a plain HF model (save_pretrained, peft, vLLM export).
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        if not getattr(model.config, "architectures", None):
+            model.config.architectures = [type(model).__name__]
+        if cache is not None:
+            _store_in_cache(cache / "model", model.save_pretrained,
+                            need_bytes=sum(t.numel() * t.element_size() for t in model.state_dict().values()))
     return tok, model.to(dtype)
+
+
+# --- the GGUF cache ------------------------------------------------------------------------------
+# De-quantising a GGUF through transformers is slow (SmolLM2-135M: ~35 s for the weights and ~10 s for
+# the tokenizer on 2 CPU cores, ~27 s on the H200 host) and every stage process pays it again. The
+# result is kept once as a plain HF directory (fp32 safetensors, exactly the de-quantised tensors;
+# 4 bytes a parameter) and read back in under a second. The key is the file's content hash and the
+# transformers and gguf versions (the de-quantisation code), so a changed file or library is never
+# served stale weights. SPECHEADS_GGUF_CACHE=<dir> moves it, SPECHEADS_GGUF_CACHE=off turns it off.
+GGUF_CACHE_ENV = "SPECHEADS_GGUF_CACHE"
+_HASHES: dict[tuple, str] = {}
+
+
+def _file_sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        _HASHES[key] = h.hexdigest()
+    return _HASHES[key]
+
+
+def gguf_cache_dir(path: Path) -> Path | None:
+    """Where the de-quantised copy of this GGUF lives (None when the cache is off)."""
+    where = os.environ.get(GGUF_CACHE_ENV, "")
+    if where.lower() in ("off", "0", "false", "no"):
+        return None
+    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specheads" / "gguf"
+    import transformers
+
+    try:
+        from importlib.metadata import version
+        gguf_version = version("gguf")
+    except Exception:  # noqa: BLE001 - transformers will say gguf is missing when it reads the file
+        gguf_version = "none"
+    key = hashlib.sha256(f"{_file_sha256(path)} {transformers.__version__} {gguf_version}".encode()).hexdigest()[:16]
+    return root / f"{path.stem}-{key}"
+
+
+def _store_in_cache(dest: Path, save, need_bytes: int = 0) -> None:
+    """``save(tmp_dir)`` then one rename: readers never see half a directory; a concurrent writer's
+    copy (parallel sweep runs) wins and ours is dropped. A full disk or a read-only cache only costs speed."""
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(dest.parent).free
+        if need_bytes and free < 2 * need_bytes:
+            print(f"\n[target] not caching the de-quantised GGUF in {dest.parent}: {free / 2**30:.1f} GiB free, "
+                  f"{need_bytes / 2**30:.1f} GiB needed", file=sys.stderr, flush=True)
+            return
+        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        print(f"\n[target] GGUF cache not written ({e})", file=sys.stderr, flush=True)
+
+
+def _cached_gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    cache = gguf_cache_dir(path)
+    if cache is not None and (cache / "tokenizer").is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(cache / "tokenizer")
+        except (OSError, ValueError) as e:
+            print(f"\n[target] GGUF cache {cache / 'tokenizer'} unreadable ({type(e).__name__}: {e}); "
+                  f"reading {path} again", file=sys.stderr, flush=True)
+            shutil.rmtree(cache / "tokenizer", ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if cache is not None:
+        _store_in_cache(cache / "tokenizer", tok.save_pretrained)
+    return tok
 
 
 def load_target(

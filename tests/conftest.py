@@ -11,6 +11,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parent.parent
+# The bundled GGUF de-quantised once and kept (specheads.target's cache), in the repository's ignored
+# .cache: every test process and CLI subprocess after the first reads it in under a second.
+os.environ.setdefault("SPECHEADS_GGUF_CACHE", str(REPO / ".cache" / "gguf"))
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 

@@ -82,3 +82,47 @@ def test_missing_chat_template_is_an_early_error(tmp_path):
     assert t.tokenizer.chat_template
     with pytest.raises(TargetError, match="not a model directory"):
         load_target(str(tmp_path))
+
+
+def test_gguf_cache_serves_the_same_target(smollm2, tmp_path, monkeypatch, capsys):
+    """The de-quantised GGUF kept as an HF directory gives the very weights, identity and tokenizer of
+    reading the GGUF itself; a damaged copy is read again from the GGUF, never trusted."""
+    from specheads.target import bundled_gguf_path, gguf_cache_dir, load_tokenizer
+
+    monkeypatch.setenv("SPECHEADS_GGUF_CACHE", "off")
+    assert gguf_cache_dir(bundled_gguf_path()) is None
+    direct = load_target("smollm2-135m")                     # no cache at all: the GGUF itself
+    monkeypatch.setenv("SPECHEADS_GGUF_CACHE", str(tmp_path / "cache"))
+    cache = gguf_cache_dir(bundled_gguf_path())
+    first = load_target("smollm2-135m", dtype="bfloat16")    # reads the GGUF, writes the cache
+    assert (cache / "model" / "model.safetensors").is_file() and (cache / "tokenizer").is_dir()
+    second = load_target("smollm2-135m", dtype="bfloat16")   # from the cache
+    for t in (first, second):
+        sd, ref = t.model.state_dict(), direct.model.state_dict()
+        assert sd.keys() == ref.keys()
+        assert all(torch.equal(sd[k], ref[k].to(torch.bfloat16)) for k in ref)
+        assert t.identity() == direct.identity() == smollm2.identity()
+        assert t.name == "smollm2-135m" and t.tokenizer.chat_template == direct.tokenizer.chat_template
+    text = "Hello <|im_start|>user\n12345 \t ü café\n```py\nx=1\n```"
+    assert second.tokenizer(text).input_ids == direct.tokenizer(text).input_ids
+    assert second.model.config.architectures == direct.model.config.architectures
+    assert not hasattr(second.model.config, "quantization_config")
+
+    (cache / "tokenizer" / "tokenizer.json").write_text("{not json")
+    capsys.readouterr()
+    tok = load_tokenizer("smollm2-135m")
+    assert "unreadable" in capsys.readouterr().err
+    assert tok(text).input_ids == direct.tokenizer(text).input_ids
+    assert load_tokenizer("smollm2-135m")(text).input_ids == direct.tokenizer(text).input_ids  # rewritten
+
+
+def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
+    from specheads.target import gguf_cache_dir
+
+    monkeypatch.setenv("SPECHEADS_GGUF_CACHE", str(tmp_path / "c"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 64)
+    a = gguf_cache_dir(f)
+    f.write_bytes(b"GGUF" + b"\1" * 64)
+    b = gguf_cache_dir(f)
+    assert a != b and a.parent == b.parent == tmp_path / "c" and a.name.startswith("m-")

@@ -376,3 +376,21 @@ def test_smollm2_end_to_end_offline(smollm2, tmp_path):
     assert meta["aux_layer_ids"] == [2, 15, 27] and head.cfg.draft_vocab_size == 512
     assert head.cfg.hidden_size == 576 and torch.equal(head.embed_tokens.weight, smollm2.embed_tokens.weight)
     assert (tmp_path / "train" / "wandb").is_dir()
+
+
+def test_head_fc_bias_from_the_recipe(target, vocab, tmp_path):
+    """head.fc_bias=false gives an EAGLE-1 head vLLM serves (its llama_eagle has no fc bias): the export
+    passes vLLM's check; the default keeps the original EAGLE layout; EAGLE-3 refuses a bias."""
+    from specheads.export import eagle, validate
+
+    r = make_recipe(tmp_path, "eagle1")
+    assert build_head(r, target, vocab).head.fc.bias is not None
+    r = recipe_from_dict({**r.to_dict(), "head": {**r.to_dict()["head"], "fc_bias": False}})
+    head = build_head(r, target, vocab).head
+    assert head.fc.bias is None and head.cfg.fc_bias is False
+    eagle.save(head, None, tmp_path / "e1")
+    validate.check(tmp_path / "e1")
+    r3 = make_recipe(tmp_path, "eagle3")
+    r3 = recipe_from_dict({**r3.to_dict(), "head": {**r3.to_dict()["head"], "fc_bias": True}})
+    with pytest.raises(HeadShapeError, match="EAGLE-3 heads have no fc bias"):
+        build_head(r3, target, vocab)

@@ -295,7 +295,7 @@ def _check_eagle(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
         from .common import load_tensors
         if bool(load_tensors(d)["fc.bias"].float().abs().max() > 0):
             rep.errors.append(f"{d}: non-zero 'fc.bias': vLLM v1 llama_eagle builds fc without bias and drops it "
-                              "(validate with readers=('sglang',) or train with fc_bias=False)")
+                              "(validate with readers=('sglang',) or train with head.fc_bias=false)")
     return cfg
 
 

@@ -105,6 +105,10 @@ def head_config(recipe, target, draft_vocab_size: int):
     over = dict(num_layers=h.num_layers, norm_before_residual=h.norm_before_residual,
                 init_lm_head_from_target=h.init_lm_head_from_target, num_mtp_depths=h.num_mtp_depths,
                 mtp_loss_weights=h.mtp_loss_weights)
+    if h.fc_bias is not None:
+        if h.fc_bias and h.kind == "eagle3":
+            raise HeadShapeError("head.fc_bias=true: EAGLE-3 heads have no fc bias (speculators and SGLang read none)")
+        over["fc_bias"] = bool(h.fc_bias)
     if h.intermediate_size is not None:
         over["intermediate_size"] = int(h.intermediate_size)
     try:
