@@ -55,7 +55,7 @@ QUESTIONS = [
     "Convert 72 degrees Fahrenheit to Celsius and show the steps.",
     "Write a bash one-liner that counts the lines of every .py file in a directory.",
 ]
-DRAFTERS = ("plain", "ngram", "head", "hybrid")
+DRAFTERS = ("plain", "ngram", "head", "hybrid", "hybrid_fixed")   # hybrid_fixed: without the per-row score
 # engine name -> torch.compile options for the target's layers and the head's step (None: eager). At batch 1
 # a compiled decode step is ~50% cuBLAS GEMMs of ~3.8 us each for ~1.7 MB of weights (launch-latency bound,
 # H200 2026-12-01): max-autotune lets Inductor time its own Triton GEMMs against them for these shapes
@@ -336,7 +336,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--head", default=None, help="exported head directory (enables the head and hybrid rows)")
     ap.add_argument("--min-match", type=int, default=3, help="hybrid: shortest n-gram match that wins over the head")
-    ap.add_argument("--drafters", default=",".join(DRAFTERS),
+    ap.add_argument("--drafters", default=",".join(DRAFTERS[:4]),
                     help=f"comma list of {DRAFTERS} (head/hybrid need --head)")
     ap.add_argument("--engines", default="eager",
                     help="comma list of " + ",".join(ENGINES) + ": compiled = torch.compile'd engine layers, "
@@ -391,14 +391,16 @@ def main(argv=None):
             if name == "ngram":                                  # 1..4, the eval default
                 drafters.append(("ngram", (lambda: NGramDrafter()) if ENGINES[eng] is None or not units
                                  else (lambda kw=ENGINES[eng]: NGramDrafter().compile(**kw))))
-            elif name in ("head", "hybrid") and head is not None:
+            elif name in ("head", "hybrid", "hybrid_fixed") and head is not None:
                 if name == "head":
                     drafters.append((f"head ({head.cfg.kind})", lambda h=head: h))
                 else:
                     # compiled: the n-gram side and the choice too (the head's units already are)
-                    drafters.append((f"hybrid (min_match {a.min_match})",
-                                     lambda h=head, kw=ENGINES[eng]: make_drafter("hybrid", h, min_match=a.min_match)
-                                     if kw is None else make_drafter("hybrid", h, min_match=a.min_match)
+                    ad = name == "hybrid"
+                    drafters.append((f"hybrid{'' if ad else ' fixed'} (min_match {a.min_match})",
+                                     lambda h=head, kw=ENGINES[eng], ad=ad:
+                                     make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad)
+                                     if kw is None else make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad)
                                      .compile(units=units, **kw)))
         engines[eng] = (m, drafters)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",

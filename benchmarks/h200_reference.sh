@@ -72,7 +72,7 @@ print(s['final']['train_dir'], s['best_lr'])")
   # with per-step GPU time and the profile of one step at batch 1 (issue 14)
   LIMIT=480 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines ${RUNTIME_ENGINES:-compiled} \
-    --repeat ${REPEAT:-3} --profile --out "$OUT/bench_runtime.json"
+    --drafters plain,ngram,head,hybrid,hybrid_fixed --repeat ${REPEAT:-3} --profile --out "$OUT/bench_runtime.json"
   if [ -n "${EXTRAS:-}" ] && in_budget; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
     LIMIT=150 stage eval_k5_t07_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
       eval.split=all eval.limit=$VL eval.out=$RUN/eval_extras eval.compare=[] --k 5

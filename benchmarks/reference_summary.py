@@ -38,6 +38,8 @@ def _load(path: Path | None):
 def _kind(run: dict) -> str:
     d = str(run.get("drafter") or run.get("name"))
     name = str(run.get("name", ""))
+    if name.startswith("hybrid_fixed") or "fixed rule" in d:
+        return "hybrid_fixed"
     if name.startswith("hybrid") or "hybrid" in d:
         return "hybrid"
     if name.startswith("ngram") or d == "ngram":

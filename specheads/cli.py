@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="= eval.temperature")
     p.add_argument("--rule", action="append", choices=["greedy", "rejection", "onehot", "tree_target_only"],
                    help="verification rule (repeat to compare rules; = eval.rule)")
-    p.add_argument("--compare", action="append", choices=["ngram", "hybrid"],
+    p.add_argument("--compare", action="append", choices=["ngram", "hybrid", "hybrid_fixed"],
                    help="drafters to put beside the heads: ngram, hybrid (each head + n-gram) (= eval.compare)")
     p.add_argument("--engine", choices=["specheads", "vllm"],
                    help="vllm: also run the same prompts in vLLM and put both side by side (= eval.engine)")

@@ -230,7 +230,8 @@ class EvalConfig(_Section):
     max_new_tokens: int = 128
     batch_size: int = 1
     # ngram: the weightless drafter; hybrid: each head with n-gram drafts where the match is long
-    compare: list[Literal["ngram", "hybrid"]] = Field(default_factory=lambda: ["ngram"])
+    # hybrid_fixed: the same hybrid without its per-row score (the n-gram whenever its match is long)
+    compare: list[Literal["ngram", "hybrid", "hybrid_fixed"]] = Field(default_factory=lambda: ["ngram"])
     hybrid_min_match: int = Field(3, ge=1)  # shortest n-gram match that wins over the head
     chi_square_draws: int = 0
     engine: Literal["specheads", "vllm"] = "specheads"  # vllm: the same prompts in real vLLM, side by side

@@ -119,10 +119,11 @@ def test_eval_hybrid_runs_beside_the_head(tiny_target_dir, tmp_path):
         plan_runs(_recipe(tmp_path, "--compare", "hybrid"))
     args = build_parser().parse_args([
         "eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--out", str(tmp_path / "ev"),
-        "--head", str(tmp_path / "h"), "--compare", "hybrid", "--compare", "ngram", "--limit", "2",
-        "--max-new-tokens", "12"])
+        "--head", str(tmp_path / "h"), "--compare", "hybrid", "--compare", "ngram", "--compare", "hybrid_fixed",
+        "--limit", "2", "--max-new-tokens", "12"])
     rep = run_eval(eval_recipe(args))
     names = [r["name"] for r in rep["runs"]]
-    assert names == ["head k=3 greedy", "ngram k=3 greedy", "hybrid head k=3 greedy"]
-    hybrid = rep["runs"][2]
+    assert names == ["head k=3 greedy", "ngram k=3 greedy", "hybrid head k=3 greedy", "hybrid_fixed head k=3 greedy"]
+    hybrid, fixed = rep["runs"][2], rep["runs"][3]
     assert hybrid["drafter"].startswith("hybrid: ") and hybrid["lossless"]["identical"] == hybrid["lossless"]["total"] == 2
+    assert fixed["drafter"].startswith("hybrid (fixed rule): ") and fixed["lossless"]["identical"] == 2

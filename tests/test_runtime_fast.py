@@ -594,3 +594,52 @@ def test_continuous_follow_ups_and_refusals(llama):
         generate_continuous(m, [], lambda *a: None, batch_size=5)
     with pytest.raises(ValueError, match="refill_at must be >= 1"):
         generate_continuous(m, [], lambda *a: None, batch_size=2, refill_at=0)
+
+
+def test_hybrid_score_counts_what_the_target_accepted():
+    """hybrid_score: each kept proposal's agreement with the emitted tokens (within the known count and
+    its own num), folded into the running score only on rows where the n-gram was a candidate; the
+    choice then goes to the n-gram only where its score is at least the head's."""
+    from specheads.runtime.drafters import hybrid_choice, hybrid_score
+
+    ng = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    hd = torch.tensor([[1, 9, 9], [4, 5, 6], [7, 8, 9]])
+    last = (ng.clone(), torch.tensor([3, 2, 3]), hd.clone(), torch.tensor([3, 3, 3]),
+            torch.tensor([True, True, False]))
+    emitted = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7], [7, 8, 9, 1]])
+    score = torch.zeros(3, 2)
+    hybrid_score(score, last, emitted, torch.tensor([4, 4, 4]), decay=0.5)
+    # row 0: n-gram 3 agree, head 1; row 1: n-gram capped by its num (2), head 3; row 2: not a candidate
+    assert score.tolist() == [[1.5, 0.5], [1.0, 1.5], [0.0, 0.0]]
+    assert not last[4].any()                                     # consumed
+    hybrid_score(score, (*last[:4], torch.tensor([True, False, False])), emitted, torch.tensor([2, 4, 4]), 0.5)
+    assert score[0].tolist() == [1.75, 0.75]                     # only 2 tokens known: 2 against 1
+    counts, use_ngram = torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.bool)
+    _, _, use = hybrid_choice(ng, torch.tensor([3, 3, 3]), torch.tensor([4, 4, 4]), hd, torch.tensor([3, 3, 3]),
+                              torch.ones(3, dtype=torch.bool), counts, use_ngram, 3, score)
+    assert use.tolist() == [True, False, True]                   # row 1: the head has done better
+    _, _, fixed = hybrid_choice(ng, torch.tensor([3, 3, 3]), torch.tensor([4, 4, 4]), hd, torch.tensor([3, 3, 3]),
+                                torch.ones(3, dtype=torch.bool), counts, use_ngram, 3)
+    assert fixed.tolist() == [True, True, True]
+
+
+def test_adaptive_hybrid_keeps_the_better_drafter(llama):
+    """With a head that is always right (a second copy of the target as the draft model) and an
+    n-gram allowed on any 1-token match, the fixed rule keeps taking the worse n-gram drafts; the
+    adaptive one learns per row to keep the head. Both stay lossless."""
+    from specheads.runtime.drafters import DraftModelDrafter
+
+    hf, m = llama
+    oracle = DraftModelDrafter(TargetModel.from_hf(hf, max_batch=4, max_seq=160))
+    prompts = [NOVEL, REPETITIVE[:9] + NOVEL]
+    plain = generate(m, prompts, 32, stop_token_ids=())
+    taus = {}
+    for adaptive in (False, True):
+        hyb = HybridDrafter(oracle, NGramDrafter(1, 4, backend="host"), min_match=1, adaptive=adaptive)
+        r = generate(m, prompts, 32, drafter=hyb, k=3, stop_token_ids=())
+        assert r.tokens == plain.tokens
+        taus[adaptive] = r.summary()["tau"]
+        if adaptive:
+            assert hyb.choice_counts()["head"] > hyb.choice_counts()["ngram"]
+    alone = generate(m, prompts, 32, drafter=oracle, k=3, stop_token_ids=()).summary()["tau"]
+    assert taus[True] > taus[False] and taus[True] >= 0.9 * alone, (taus, alone)

@@ -46,6 +46,7 @@ class RunSpec:
     thresholds: tuple[float, float] = (1.0, 1.0)
     expect: str = "pass"          # "fail" for deliberately lossy settings (relaxed thresholds)
     hybrid: bool = False          # the head with n-gram drafts where the n-gram match is long enough
+    adaptive: bool = True         # hybrid: the n-gram only while it has done at least as well as the head
 
     def tree_config(self) -> TreeConfig | None:
         return parse_tree(self.tree) if self.tree else None
@@ -100,6 +101,14 @@ def plan_runs(recipe) -> list[RunSpec]:
             label = Path(h).name if len(heads) > 1 else "head"
             for rule in chain_rules:
                 runs += [RunSpec(f"hybrid {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True) for k in ks]
+    if "hybrid_fixed" in e.compare:   # the match-length rule alone (no per-row score), side by side
+        if not heads:
+            raise EvalError("eval.compare=hybrid_fixed needs a head (eval.head / --head): it mixes a head with n-gram")
+        for h in heads:
+            label = Path(h).name if len(heads) > 1 else "head"
+            for rule in chain_rules:
+                runs += [RunSpec(f"hybrid_fixed {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True, adaptive=False)
+                         for k in ks]
     if e.thresholds:
         a, b = (float(x) for x in e.thresholds.split(","))
         for r in list(runs):
@@ -134,7 +143,8 @@ def build_drafter(spec: RunSpec, target, dtype, device, min_match: int = 3, comp
         return d.compile() if compile else d
     head, _meta = load_head_for(spec.drafter, target)
     d = make_drafter("hybrid" if spec.hybrid else "head", head.to(device=device, dtype=dtype).eval(),
-                     name=spec.drafter, target_vocab_size=target.vocab_size, min_match=min_match)
+                     name=spec.drafter, target_vocab_size=target.vocab_size, min_match=min_match,
+                     adaptive=spec.adaptive)
     return d.compile() if compile else d
 
 
@@ -206,7 +216,7 @@ def run_eval(recipe, target=None) -> dict:
 
     runs, drafters = [], {}
     for spec in specs:
-        key = (spec.drafter, spec.hybrid)
+        key = (spec.drafter, spec.hybrid, spec.adaptive)
         if key not in drafters:
             drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match, e.compile)
         drafter = drafters[key]
@@ -217,7 +227,7 @@ def run_eval(recipe, target=None) -> dict:
                                       rule=spec.rule, thresholds=spec.thresholds, progress=cb, **common)
         records = [rec for r in res for rec in r.records]
         m = summarize(records, secs, sum(len(a) for r in res for a in r.answer_tokens))
-        name = "n-gram" if spec.drafter == "ngram" else (f"hybrid: {spec.drafter} + n-gram" if spec.hybrid else spec.drafter)
+        name = "n-gram" if spec.drafter == "ngram" else (f"hybrid{'' if spec.adaptive else ' (fixed rule)'}: {spec.drafter} + n-gram" if spec.hybrid else spec.drafter)
         run = {"name": spec.name, "engine": "specheads", "drafter": name,
                "k": spec.k, "tree": spec.tree, "rule": spec.rule, "thresholds": list(spec.thresholds),
                "temperature": e.temperature, "metrics": m, "per_category": _per_category(res),
