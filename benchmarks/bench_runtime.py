@@ -396,12 +396,11 @@ def main(argv=None):
                     drafters.append((f"head ({head.cfg.kind})", lambda h=head: h))
                 else:
                     # compiled: the n-gram side and the choice too (the head's units already are)
-                    ad = name == "hybrid"
-                    drafters.append((f"hybrid{'' if ad else ' fixed'} (min_match {a.min_match})",
-                                     lambda h=head, kw=ENGINES[eng], ad=ad:
-                                     make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad)
-                                     if kw is None else make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad)
-                                     .compile(units=units, **kw)))
+                    def hybrid(h=head, kw=ENGINES[eng], ad=name == "hybrid", units=units):
+                        d = make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad)
+                        return d if kw is None else d.compile(units=units, **kw)
+                    drafters.append((f"hybrid{'' if name == 'hybrid' else ' fixed'} (min_match {a.min_match})",
+                                     hybrid))
         engines[eng] = (m, drafters)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,

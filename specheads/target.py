@@ -361,14 +361,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 
     tok = _cached_gguf_tokenizer(path)
     cache = gguf_cache_dir(path)
-    model = None
-    if cache is not None and (cache / "model").is_dir():
-        try:
-            model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=torch.float32)
-        except (OSError, ValueError, RuntimeError) as e:  # a damaged cache costs one slow load, never a wrong model
-            print(f"\n[target] GGUF cache {cache / 'model'} unreadable ({type(e).__name__}: {e}); "
-                  f"reading {path} again", file=sys.stderr, flush=True)
-            shutil.rmtree(cache / "model", ignore_errors=True)
+    model = _read_cached(cache, "model", lambda d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), path)
     if model is None:
         # GGUF tensors are dequantised to fp32 on load; cast afterwards.
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -446,17 +439,27 @@ def _store_in_cache(dest: Path, save, need_bytes: int = 0) -> None:
         print(f"\n[target] GGUF cache not written ({e})", file=sys.stderr, flush=True)
 
 
+def _read_cached(cache: Path | None, part: str, load, source: Path):
+    """``load(cache / part)`` when that copy exists. A damaged copy is removed and None returned: it costs
+    one slow load from ``source``, never a wrong model."""
+    if cache is None or not (cache / part).is_dir():
+        return None
+    try:
+        return load(cache / part)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"\n[target] GGUF cache {cache / part} unreadable ({type(e).__name__}: {e}); reading {source} again",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(cache / part, ignore_errors=True)
+        return None
+
+
 def _cached_gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     cache = gguf_cache_dir(path)
-    if cache is not None and (cache / "tokenizer").is_dir():
-        try:
-            return AutoTokenizer.from_pretrained(cache / "tokenizer")
-        except (OSError, ValueError) as e:
-            print(f"\n[target] GGUF cache {cache / 'tokenizer'} unreadable ({type(e).__name__}: {e}); "
-                  f"reading {path} again", file=sys.stderr, flush=True)
-            shutil.rmtree(cache / "tokenizer", ignore_errors=True)
+    tok = _read_cached(cache, "tokenizer", AutoTokenizer.from_pretrained, path)
+    if tok is not None:
+        return tok
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if cache is not None:
         _store_in_cache(cache / "tokenizer", tok.save_pretrained)

@@ -94,20 +94,16 @@ def plan_runs(recipe) -> list[RunSpec]:
         # n-gram drafts are one-hot: rejection with draft probabilities reduces to the one-hot rule
         for rule in dict.fromkeys("onehot" if r == "rejection" else r for r in chain_rules):
             runs += [RunSpec(f"ngram k={k} {rule}", "ngram", k=k, rule=rule) for k in ks]
-    if "hybrid" in e.compare:
+    # hybrid_fixed: the match-length rule alone (no per-row score), side by side with the adaptive one
+    for kind, adaptive in (("hybrid", True), ("hybrid_fixed", False)):
+        if kind not in e.compare:
+            continue
         if not heads:
-            raise EvalError("eval.compare=hybrid needs a head (eval.head / --head): it mixes a head with n-gram")
+            raise EvalError(f"eval.compare={kind} needs a head (eval.head / --head): it mixes a head with n-gram")
         for h in heads:
             label = Path(h).name if len(heads) > 1 else "head"
             for rule in chain_rules:
-                runs += [RunSpec(f"hybrid {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True) for k in ks]
-    if "hybrid_fixed" in e.compare:   # the match-length rule alone (no per-row score), side by side
-        if not heads:
-            raise EvalError("eval.compare=hybrid_fixed needs a head (eval.head / --head): it mixes a head with n-gram")
-        for h in heads:
-            label = Path(h).name if len(heads) > 1 else "head"
-            for rule in chain_rules:
-                runs += [RunSpec(f"hybrid_fixed {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True, adaptive=False)
+                runs += [RunSpec(f"{kind} {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True, adaptive=adaptive)
                          for k in ks]
     if e.thresholds:
         a, b = (float(x) for x in e.thresholds.split(","))
