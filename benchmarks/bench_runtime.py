@@ -16,6 +16,14 @@ is free). ``--engines eager,compiled`` times every row on both engines in one ru
 column is tokens/s over the first engine's plain decoding. Prints a Markdown table; ``--out`` writes JSON and ``--plot`` (default: the JSON path
 with .png) a plot of speedup against batch size per drafter.
 
+``--serve N``: serving as well, at every --batches size above 1: the first N prompts of
+``--serve-prompts`` (default the mixed eval set, 152 prompts in 7 categories) as a stream of
+requests through B slots with continuous batching (``generate_continuous``: a finished request's
+slot takes the next one at once, as in a server; stops at EOS), plain and with each drafter. A
+static batch runs until its slowest row is done, so a drafter's τ there overstates what the batch
+gains; served, every row's forwards are its own. Per row: τ (decode tokens per row-step), tok/s
+(prefills included), speedup over plain serving, speedup ÷ τ and τ per category.
+
 ``--profile``: a torch.profiler table of one plain and one drafted decode step at the first --batches size
 on the last --engines engine (without graphs, so the kernels are visible), and the time per step with and
 without CUDA graphs.
@@ -32,8 +40,10 @@ from pathlib import Path
 
 import torch
 
+from specheads.data.formats import load_prompts
+from specheads.data.sources import resolve_source
 from specheads.runtime.drafters import NGramDrafter, drafter_for_head, make_drafter
-from specheads.runtime.generate import Generation, generate
+from specheads.runtime.generate import Generation, Request, generate, generate_continuous
 from specheads.runtime.model import TargetModel
 from specheads.target import load_target
 
@@ -138,6 +148,44 @@ def step_times(m, prompts, new, **kw):
             d["gap"].append(marks[i - 1][2].elapsed_time(start))
     return {str(kv): {"steps": len(d["step"]), "step_ms": statistics.median(d["step"]),
                       "gap_ms": statistics.median(d["gap"]) if d["gap"] else 0.0} for kv, d in sorted(by.items())}
+
+
+def serve_prompts(tok, source, n):
+    """The first ``n`` prompts of a prompt file (first user turn, chat template applied) with their
+    categories: the request stream of the serving rows."""
+    out = []
+    for it in load_prompts(resolve_source(source))[:n]:
+        msgs = ([{"role": "system", "content": it["system"]}] if it.get("system") else []) + \
+            [{"role": "user", "content": it["turns"][0]}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        out.append((list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids), it.get("category") or "uncategorised"))
+    return out
+
+
+def bench_serving(m, stream, B, new, repeat=1, **kw):
+    """``stream`` [(prompt ids, category)] through B slots with continuous batching: one untimed run
+    (captures the step graphs of every width), then the best of ``repeat``."""
+    def once():
+        got, reqs = {}, [Request(p, new, tag=i) for i, (p, _) in enumerate(stream)]
+        st = generate_continuous(m, reqs, lambda r, toks, why: got.__setitem__(r.tag, toks), batch_size=B, **kw)
+        return st, [got[i] for i in range(len(reqs))], reqs
+
+    once()
+    best = None
+    for _ in range(repeat):
+        run = once()
+        if best is None or run[0]["seconds"] < best[0]["seconds"]:
+            best = run
+    st, outputs, reqs = best
+    by: dict = {}
+    for r, (_, cat) in zip(reqs, stream):
+        d = by.setdefault(cat, [0, 0])
+        d[0] += len(outputs[r.tag]) - 1
+        d[1] += r.target_forwards
+    return {"requests": len(stream), "tokens": st["tokens"], "seconds": st["seconds"],
+            "tokens_per_s": st["tokens"] / st["seconds"], "tau": st["tau"], "steps": st["steps"],
+            "prefills": st["prefills"], "syncs": st["syncs"], "replayed": st.get("replayed", 0),
+            "tau_by_category": {c: t / f if f else 0.0 for c, (t, f) in sorted(by.items())}, "outputs": outputs}
 
 
 class _Random:
@@ -286,6 +334,24 @@ def markdown(res) -> str:
             for kv, t in r["step_times"].items():
                 lines.append(f"| {r.get('engine', 'eager')} | {r['batch']} | {r['drafter']} | {kv} | {t['steps']} | "
                              f"{t['step_ms']:.3f} | {t['gap_ms']:.3f} |")
+    if res.get("serving"):
+        sv = res["serving"]
+        lines += ["", f"Serving: {sv[0]['requests']} requests of {res.get('serve_prompts')} through B slots, continuous "
+                  f"batching (stop at EOS, at most {res['new_tokens']} new tokens), prefills included:", "",
+                  "| engine | slots | drafter | τ | tok/s | plain tok/s | speedup | speedup ÷ τ | target steps | "
+                  "lossless |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+        for r in sv:
+            lines.append(f"| {r['engine']} | {r['batch']} | {r['drafter']} | {r['tau']:.2f} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {r['speedup_over_tau']:.2f} | "
+                         f"{r['steps']} | {'yes' if r['lossless'] else '**no**'} |")
+        cats = sorted({c for r in sv for c in r["tau_by_category"]})
+        drafted = [r for r in sv if r["drafter"] != "plain"]
+        if drafted and cats:
+            lines += ["", "Serving τ per category:", "", "| engine | slots | drafter | " + " | ".join(cats) + " |",
+                      "|---|---:|---|" + "---:|" * len(cats)]
+            for r in drafted:
+                lines.append(f"| {r['engine']} | {r['batch']} | {r['drafter']} | "
+                             + " | ".join(f"{r['tau_by_category'].get(c, 0):.2f}" for c in cats) + " |")
     if res.get("hf"):
         lines += ["", "| batch | HF generate tok/s | engine plain tok/s | engine ÷ HF |", "|---:|---:|---:|---:|"]
         for b, hf in res["hf"].items():
@@ -310,6 +376,10 @@ def plot(res, path):
         rows = [r for r in res["rows"] if r["drafter"] == name and r.get("engine", "eager") == eng]
         ax.plot([r["batch"] for r in rows], [r["tokens_per_s"] / plain[r["batch"]] for r in rows], marker="o",
                 label=name if len(res.get("engines", ["eager"])) == 1 else f"{name}, {eng}")
+    serving = [r for r in res.get("serving", []) if r["drafter"] != "plain" and r["engine"] == first]
+    for name in dict.fromkeys(r["drafter"] for r in serving):
+        rows = [r for r in serving if r["drafter"] == name]
+        ax.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], marker="s", ls=":", label=f"{name}, served")
     ax.axhline(1.0, color="grey", lw=1, ls="--", label=f"plain, {first}")
     ax.set_xscale("log", base=2)
     batches = sorted({r["batch"] for r in res["rows"]})
@@ -351,6 +421,10 @@ def main(argv=None):
     ap.add_argument("--profile-all", action="store_true", help="profile every drafter, not only the last one")
     ap.add_argument("--profile-skip", type=int, default=0,
                     help="decode steps run before the profiled ones (a longer context; needs --new-tokens to fit)")
+    ap.add_argument("--serve", type=int, default=0, metavar="N",
+                    help="also serve N requests with continuous batching at every --batches size above 1")
+    ap.add_argument("--serve-prompts", default="builtin:eval_mixed", help="the served prompts (any prompt file)")
+    ap.add_argument("--serve-sync-every", type=int, default=4, help="serving: decode steps between host reads")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="PNG of speedup against batch size (default: --out with .png)")
     ap.add_argument("--random-weights", action="store_true",
@@ -373,7 +447,12 @@ def main(argv=None):
         tgt = load_target(a.target, dtype=dtype, device=a.device)
         prompts = prompts_for(tgt.tokenizer, max(batches))
         target_name = getattr(tgt, "name", a.target)
-    max_seq = max(len(p) for p in prompts) + a.new_tokens + a.k + 64
+    stream = []
+    if a.serve:
+        if a.random_weights:
+            ap.error("--serve needs the real target (its tokenizer and chat template)")
+        stream = serve_prompts(tgt.tokenizer, a.serve_prompts, a.serve)
+    max_seq = max(len(p) for p in prompts + [p for p, _ in stream]) + a.new_tokens + a.k + 64
     engine_names = [e.strip() for e in a.engines.split(",") if e.strip()]
     if not engine_names or set(engine_names) - set(ENGINES):
         ap.error(f"--engines: a comma list of {','.join(ENGINES)}; got {a.engines!r}")
@@ -386,18 +465,23 @@ def main(argv=None):
         if ENGINES[eng] is not None:
             m.compile_layers(**ENGINE_PARTS.get(eng, {}), **ENGINES[eng])
             head = head.compile(units=units, **ENGINES[eng]) if head is not None else None
-        drafters = []                                            # (name, factory): a fresh drafter per batch
+        # (name, factory): a fresh drafter per batch; factory(serve=True): its n-gram side on the device on a
+        # CPU too (continuous batching needs row state on the device; the host reference keeps none)
+        drafters = []
         for name in wanted:
             if name == "ngram":                                  # 1..4, the eval default
-                drafters.append(("ngram", (lambda: NGramDrafter()) if ENGINES[eng] is None or not units
-                                 else (lambda kw=ENGINES[eng]: NGramDrafter().compile(**kw))))
+                def ngram(serve=False, kw=ENGINES[eng], units=units):
+                    d = NGramDrafter(backend="device" if serve else "auto")
+                    return d if kw is None or not units else d.compile(**kw)
+                drafters.append(("ngram", ngram))
             elif name in ("head", "hybrid", "hybrid_fixed") and head is not None:
                 if name == "head":
-                    drafters.append((f"head ({head.cfg.kind})", lambda h=head: h))
+                    drafters.append((f"head ({head.cfg.kind})", lambda serve=False, h=head: h))
                 else:
                     # compiled: the n-gram side and the choice too (the head's units already are)
-                    def hybrid(h=head, kw=ENGINES[eng], ad=name == "hybrid", units=units):
-                        d = make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad)
+                    def hybrid(serve=False, h=head, kw=ENGINES[eng], ad=name == "hybrid", units=units):
+                        d = make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad,
+                                         ngram_backend="device" if serve else "auto")
                         return d if kw is None else d.compile(units=units, **kw)
                     drafters.append((f"hybrid{'' if name == 'hybrid' else ' fixed'} (min_match {a.min_match})",
                                      hybrid))
@@ -441,13 +525,34 @@ def main(argv=None):
                 print(f"{eng} engine, batch {B} done ({time.perf_counter() - t0:.0f} s with warm-up and "
                       f"compilation)", flush=True)
                 save()                    # what is measured so far survives a run cut short by a time limit
+        if stream:
+            res["serve_prompts"], res["serving"] = a.serve_prompts, []
+            for eng, (m, drafters) in engines.items():
+                for B in [b for b in batches if b > 1]:
+                    t0 = time.perf_counter()
+                    # refills gathered: a prefill is one eager forward, dearer than the idle slots it saves
+                    kw = dict(use_cuda_graphs=graphs, sync_every=a.serve_sync_every, refill_at=max(1, B // 8))
+                    base = bench_serving(m, stream, B, a.new_tokens, a.repeat, **kw)
+                    rows = [("plain", base)]
+                    for name, make in drafters:
+                        rows.append((name, bench_serving(m, stream, B, a.new_tokens, a.repeat, drafter=make(serve=True),
+                                                         k=a.k, **kw)))
+                    for name, r in rows:
+                        sp = r["tokens_per_s"] / base["tokens_per_s"]
+                        res["serving"].append({"engine": eng, "batch": B, "drafter": name, "speedup": sp,
+                                               "speedup_over_tau": sp / r["tau"], "plain_tokens_per_s": base["tokens_per_s"],
+                                               "lossless": r["outputs"] == base["outputs"],
+                                               **{k: v for k, v in r.items() if k != "outputs"}})
+                    print(f"{eng} engine, serving at {B} slots done ({time.perf_counter() - t0:.0f} s)", flush=True)
+                    save()
+        res["recompile_limit_hits"] = limit_hits.detach()
         print()
         print(markdown(res))
-        res["recompile_limit_hits"] = limit_hits.detach()
         if any(ENGINES[e] is not None for e in engine_names):
             print(f"\ntorch.compile recompile limit hit {len(limit_hits.hits)} time(s)"
                   + (f" ({'; '.join(limit_hits.hits)}): those shapes ran eagerly" if limit_hits.hits else ""))
-        lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
+        lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] + res.get("serving", [])
+                 if r.get("lossless") is False]
         print(f"\ngreedy outputs identical to plain (eager) decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
 
     if a.profile or a.profile_only or a.profile_all:

@@ -51,15 +51,20 @@ stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; return $rc; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/timeline.txt"
 # the training benchmark first: it needs nothing from the pipeline
-LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
+[ "${TRAIN_BENCH:-1}" = 0 ] || LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
   --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES --out "$OUT/bench_train.json"
 
 stage synthesize $S data synthesize $R "${OV[@]}" && stage regenerate $S data regenerate $R "${OV[@]}" && \
 stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && \
-LIMIT=${SWEEP_LIMIT:-900} stage sweep python3 benchmarks/sweep_reference.py $R --out $RUN/sweep \
-  --fractions $FRACTIONS --lrs $LRS "${OV[@]}" && {
+{ LIMIT=${SWEEP_LIMIT:-900} stage sweep python3 benchmarks/sweep_reference.py $R --out $RUN/sweep \
+    --fractions $FRACTIONS --lrs $LRS "${OV[@]}" || {
+  # a trainer through torch.compile that fails is retried eagerly, in a sweep directory of its own
+  [[ " ${OV[*]} " == *" train.compile=true "* ]] && OV+=(train.compile=false) && SW=$RUN/sweep_eager && \
+  LIMIT=${SWEEP_LIMIT:-900} stage sweep_eager python3 benchmarks/sweep_reference.py $R --out $SW \
+    --fractions $FRACTIONS --lrs $LRS "${OV[@]}"; }; } && {
   # export and eval read the chosen run: the same lr and data share as it was trained with
-  read FINAL LR < <(python3 -c "import json; s = json.load(open('$RUN/sweep/sweep.json')); \
+  SW=${SW:-$RUN/sweep}
+  read FINAL LR < <(python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
 print(s['final']['train_dir'], s['best_lr'])")
   OV+=(train.out=$FINAL train.lr=$LR)
   stage export $S export $R "${OV[@]}"
@@ -70,16 +75,17 @@ print(s['final']['train_dir'], s['best_lr'])")
     eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
   # the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs,
   # with per-step GPU time and the profile of one step at batch 1 (issue 14)
-  LIMIT=480 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
+  LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines ${RUNTIME_ENGINES:-compiled} \
-    --drafters plain,ngram,head,hybrid,hybrid_fixed --repeat ${REPEAT:-3} --profile --out "$OUT/bench_runtime.json"
+    --drafters plain,ngram,head,hybrid,hybrid_fixed --repeat ${REPEAT:-3} --profile --serve ${SERVE:-152} \
+    --out "$OUT/bench_runtime.json"
   if [ -n "${EXTRAS:-}" ] && in_budget; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
     LIMIT=150 stage eval_k5_t07_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
-      eval.split=all eval.limit=$VL eval.out=$RUN/eval_extras eval.compare=[] --k 5
+      eval.split=all eval.limit=${XL:-$VL} eval.out=$RUN/eval_extras eval.compare=[] --k 5
     LIMIT=150 stage eval_t07 $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
-      eval.limit=$VL eval.temperature=0.7 eval.out=$RUN/eval_t07 eval.compare=[] --rule onehot --rule rejection
+      eval.limit=${XL:-$VL} eval.temperature=0.7 eval.out=$RUN/eval_t07 eval.compare=[] --rule onehot --rule rejection
     LIMIT=150 stage eval_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
-      eval.limit=$VL eval.tree=4,4,16 eval.out=$RUN/eval_tree eval.compare=[]
+      eval.limit=${XL:-$VL} eval.tree=4,4,16 eval.out=$RUN/eval_tree eval.compare=[]
   fi
   if [ -n "${ABLATIONS:-}" ] && in_budget; then
     # issue 13's comparisons on the same rows: the TTT-7 head trained through torch.compile (the trainer's tok/s),
@@ -87,7 +93,7 @@ print(s['final']['train_dir'], s['best_lr'])")
     # sweep's TTT-7 run of that share, then all exported and run side by side on held-back gsm8k (one target load,
     # one plain baseline). ABLATION_VARIANTS="name:key=value,key=value ..." replaces the list (the sweep's run leads)
     AF=${ABLATION_FRACTION:-0.3}
-    BASE=$(python3 -c "import json; s = json.load(open('$RUN/sweep/sweep.json')); \
+    BASE=$(python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
 print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 and r['lr'] == s['best_lr']))")
     AB=$RUN/ablation; HEADS=()
     for v in "eagle3_ttt7:" ${ABLATION_VARIANTS:-"eagle3_ttt7_compiled:train.compile=true" "eagle3_ttt1:train.ttt_steps=1" \
@@ -110,11 +116,11 @@ stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/ref
   --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
   --eval vicuna_k5=$RUN/eval_extras --eval vicuna_t07=$RUN/eval_t07 --eval vicuna_tree=$RUN/eval_tree \
   --eval gsm8k_holdout_ablation=$RUN/eval_ablation \
-  --sweep $RUN/sweep --bench-runtime "$OUT/bench_runtime.json" --bench-train "$OUT/bench_train.json" \
+  --sweep ${SW:-$RUN/sweep} --bench-runtime "$OUT/bench_runtime.json" --bench-train "$OUT/bench_train.json" \
   --timeline "$OUT/timeline.txt"
 tail -n 20 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"
 # the small reports travel back; the dump and checkpoints stay
-tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep/sweep.* $RUN/sweep/*.png $RUN/sweep/*/metrics.jsonl \
-  $RUN/sweep/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json \
+tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep*/sweep.* $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl \
+  $RUN/sweep*/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json \
   $RUN/export/speculators/config.json $RUN/export/speculators/README.md 2>/dev/null
 log done

@@ -29,7 +29,8 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     save(head, None, tmp_path / "head", dtype=torch.float32)
     out = tmp_path / "bench.json"
     res = _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--new-tokens", "6",
-                         "--head", str(tmp_path / "head"), "--min-match", "2", "--out", str(out), "--profile-all"])
+                         "--head", str(tmp_path / "head"), "--min-match", "2", "--out", str(out), "--profile-all",
+                         "--serve", "10"])
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["drafter"].split(" ")[0]) for r in rows] == [
@@ -43,6 +44,15 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
         assert abs(r["decode_speedup"] - r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]) < 1e-9
         assert r["drafter"] == "plain" or r["lossless"] is True
     assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text and "speedup after prefill ÷ τ" in text
+    # serving: 10 mixed-set prompts through 2 slots, continuous batching, every drafter lossless
+    serving = json.loads(out.read_text())["serving"]
+    assert [(r["batch"], r["drafter"].split(" ")[0]) for r in serving] == [(2, d) for d in ("plain", "ngram", "head", "hybrid")]
+    for r in serving:
+        assert r["requests"] == 10 and r["lossless"] is True and r["tau"] >= 1.0 and r["tokens_per_s"] > 0
+        assert abs(r["speedup_over_tau"] - r["speedup"] / r["tau"]) < 1e-9
+        assert set(r["tau_by_category"]) <= {"chat", "code", "extraction", "math", "qa", "summarization", "translation"}
+    assert serving[0]["tau"] == 1.0 and serving[0]["tokens"] == serving[1]["tokens"]
+    assert "Serving: 10 requests" in text and "Serving τ per category" in text
     assert "Profile: one plain decode step" in text and "Profile: one hybrid" in text
     assert "Profile: one ngram" in text and "Profile: one head (eagle3)" in text      # --profile-all: every drafter
     assert res["attention"] == "torch"                                                 # SDPA on a CPU

@@ -199,6 +199,42 @@ def test_continuous_batching_graphs_equal_eager(cuda_llama, temperature):
     assert graphed == eager and stats["failed"] == 0 and stats["replayed"] > stats["captured"] > 0
 
 
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "hybrid"])
+def test_continuous_batching_with_a_drafter_graphs_equal_eager(cuda_llama, kind):
+    """Drafted continuous batching on a GPU: whole speculative steps replayed from their graphs
+    while slots are refilled (the head's admitted first pass runs between replays) give the eager
+    loop's tokens and forwards, equal to plain decoding, on the eager and the compiled engine."""
+    hf, m = cuda_llama
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, V, (int(n),), generator=g).tolist() + REPETITIVE[:4 + i]
+               for i, n in enumerate(torch.randint(1, 30, (9,), generator=g))]
+    caps = [5, 17, 1, 30, 8, 12, 3, 25, 9]
+
+    def drafter():
+        ng = NGramDrafter(1, 4, backend="device")
+        if kind == "ngram":
+            return ng
+        hd = drafter_for_head(_head("eagle3", draft_vocab=48).cuda())
+        return HybridDrafter(hd, ng, min_match=1) if kind == "hybrid" else hd
+
+    def run(engine, d, graphs):
+        got = {}
+        reqs = [Request(p, n, stop_token_ids=[3, 27, 43] if i % 2 else (), tag=i)
+                for i, (p, n) in enumerate(zip(prompts, caps))]
+        stats = generate_continuous(engine, reqs, lambda r, t, why: got.__setitem__(r.tag, (t, why)), batch_size=3,
+                                    use_cuda_graphs=graphs, sync_every=4, drafter=d, k=3)
+        return [got[i] for i in range(9)], [r.target_forwards for r in reqs], stats
+
+    plain, _, _ = run(m, None, False)
+    eager, fwd, _ = run(m, drafter(), False)
+    assert eager == plain
+    graphed, fwd_g, stats = run(m, drafter(), True)
+    assert (graphed, fwd_g) == (eager, fwd) and stats["failed"] == 0 and stats["replayed"] > stats["captured"] > 0
+    mc = TargetModel.from_hf(hf, max_batch=4, max_seq=160).compile_layers()
+    compiled, fwd_c, stats = run(mc, drafter().compile(), True)
+    assert (compiled, fwd_c) == (eager, fwd) and stats["failed"] == 0
+
+
 @pytest.mark.parametrize("mode", ["plain", "ngram", "eagle3", "hybrid", "eagle3_tree", "eagle3_rejection"])
 def test_compiled_engine_graphs_match_eager(cuda_llama, mode):
     """The compiled engine (layers, forward inputs, step bookkeeping) with compiled drafters, whole

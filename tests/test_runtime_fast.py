@@ -13,7 +13,7 @@ from specheads.errors import SpecheadsError
 from specheads.kernels import attention_ref
 from specheads.runtime.drafters import (DRAFTER_KINDS, DraftContext, Drafter, DraftVocabError, Eagle3Drafter,
                                         HybridDrafter, NGramDrafter, Proposal, drafter_for_head, make_drafter,
-                                        ngram_match)
+                                        Verified, ngram_match)
 from specheads.runtime.generate import KV_BUCKET_MIN, Generation, Request, generate, generate_continuous
 from specheads.runtime.model import (TargetModel, additive_mask, apply_rope, apply_rope_fast, build_attn_mask,
                                      signed_sin)
@@ -643,3 +643,97 @@ def test_adaptive_hybrid_keeps_the_better_drafter(llama):
             assert hyb.choice_counts()["head"] > hyb.choice_counts()["ngram"]
     alone = generate(m, prompts, 32, drafter=oracle, k=3, stop_token_ids=()).summary()["tau"]
     assert taus[True] > taus[False] and taus[True] >= 0.9 * alone, (taus, alone)
+
+
+# ------------------------------------------------------------------------------ continuous batching with a drafter
+def test_head_admit_equals_the_batch_prefill(llama):
+    """A head drafter's first pass over requests admitted into rows of a running batch leaves the
+    same roots and draft cache in those rows as the first pass of a batch prefill of the same prompts."""
+    _, m = llama
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2][:7]]
+    B = len(prompts)
+    T = max(len(p) for p in prompts)
+    lens = torch.tensor([len(p) for p in prompts])
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+    head = _head("eagle3")
+    out = m(ids, aux_layer_ids=[1, 2, 3], kv_len=T)
+    nxt = torch.cat([ids[:, 1:], torch.zeros(B, 1, dtype=torch.long)], 1)
+    nxt[torch.arange(B), lens - 1] = out.logits[torch.arange(B), lens - 1].argmax(-1)   # each row's first token
+
+    def fresh():
+        d = Eagle3Drafter(head)
+        d.start(DraftContext(device=torch.device("cpu"), max_seq=m.max_seq, vocab_size=V, batch=B))
+        return d
+
+    whole = fresh()
+    whole.update(Verified(start=torch.zeros(B, dtype=torch.long), count=lens, next_tokens=nxt, aux=out.aux))
+    parts = fresh()
+    for rows in ([2, 0], [1]):
+        r = torch.tensor(rows)
+        W = int(lens[r].max())
+        parts.admit(r, Verified(start=torch.zeros(len(rows), dtype=torch.long), count=lens[r], next_tokens=nxt[r, :W],
+                                aux=out.aux[r, :W]))
+    for a, b in zip(whole.root(), parts.root()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert parts.cache.lengths.tolist() == lens.tolist()
+    for b in range(B):
+        n = int(lens[b])
+        torch.testing.assert_close(whole.cache.k[0][b, :, :n], parts.cache.k[0][b, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(whole.cache.v[0][b, :, :n], parts.cache.v[0][b, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "head", "hybrid", "eagle1", "mtp"])
+def test_continuous_batching_with_a_drafter_equals_one_at_a_time(llama, kind):
+    """Drafted continuous batching: each request's greedy tokens equal plain decoding of it alone,
+    and it takes as many target forwards as when drafted alone (its drafts come from its own row's
+    state: the head's admitted first pass, the n-gram's history, the hybrid's score, all reset when
+    a request takes over a row)."""
+    _, m = llama
+    prompts, caps = _ragged_requests()
+    prompts = [p + REPETITIVE[:i + 4] for i, p in enumerate(prompts)]       # something for the n-gram to copy
+    head_kind = {"eagle1": "eagle1", "mtp": "mtp"}.get(kind, "eagle3")
+
+    def drafter():
+        ng = NGramDrafter(1, 4, backend="device")
+        if kind == "ngram":
+            return ng
+        hd = drafter_for_head(_head(head_kind, draft_vocab=48 if head_kind == "eagle3" else None))
+        return HybridDrafter(hd, ng, min_match=1) if kind == "hybrid" else hd
+
+    stops = [3, 27, 43]
+    alone, forwards = [], []
+    for i, (p, n) in enumerate(zip(prompts, caps)):
+        st = stops if i % 2 else ()
+        plain = generate(m, [p], n, stop_token_ids=st)
+        r = generate(m, [p], n, drafter=drafter(), k=3, stop_token_ids=st)
+        assert r.tokens == plain.tokens
+        alone.append((r.tokens[0], r.finish_reasons[0]))
+        forwards.append(sum(1 for rec in r.records))
+    d = drafter()
+    for batch, sync_every in [(3, 4), (4, 1)]:
+        reqs = [Request(p, n, stop_token_ids=stops if i % 2 else (), tag=i) for i, (p, n) in enumerate(zip(prompts, caps))]
+        got, stats = _continuous(m, reqs, batch, sync_every=sync_every, drafter=d, k=3)
+        assert got == alone, (kind, batch)
+        assert [r.target_forwards for r in sorted(reqs, key=lambda r: r.tag)] == forwards, (kind, batch)
+        decode = sum(len(t) - 1 for t, _ in alone)
+        assert stats["decode_tokens"] == decode and stats["row_steps"] == sum(forwards)
+        assert stats["tau"] == pytest.approx(decode / sum(forwards))
+    if kind == "ngram":
+        assert stats["tau"] > 1.2           # the copied tails are drafted and accepted
+
+
+def test_continuous_batching_refuses_host_drafters(llama):
+    _, m = llama
+    with pytest.raises(ValueError, match="host view"):
+        generate_continuous(m, [Request([1, 2, 3], 4)], lambda *a: None, batch_size=2,
+                            drafter=NGramDrafter(backend="host"))
+    with pytest.raises(ValueError, match="'rejection' needs draft probabilities"):
+        generate_continuous(m, [], lambda *a: None, batch_size=2, drafter=NGramDrafter(backend="device"),
+                            temperature=0.7, rule="rejection")
+    with pytest.raises(ValueError, match="does not fit temperature"):
+        generate_continuous(m, [], lambda *a: None, batch_size=2, rule="rejection")
+    with pytest.raises(ValueError, match="draft slots"):
+        generate_continuous(m, [Request([1] * 140, 18)], lambda *a: None, batch_size=2,
+                            drafter=NGramDrafter(backend="device"), k=3)

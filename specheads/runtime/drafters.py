@@ -137,6 +137,13 @@ class Drafter:
     def update(self, v: Verified) -> None:
         pass
 
+    def admit(self, rows: torch.Tensor, v: Verified) -> None:
+        """New requests take over rows ``rows`` [n] of a running batch (continuous batching):
+        ``v`` holds their prompts' verified states (n rows, start 0); every other row keeps its
+        state. Only drafters whose state lives on the device, row by row, can do this."""
+        raise NotImplementedError(f"{type(self).__name__} keeps a host view of the batch; it cannot take new "
+                                  f"requests into a running batch")
+
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
         raise NotImplementedError
 
@@ -257,6 +264,11 @@ class NGramDrafter(Drafter):
     def lookup(self, history: list[int], k: int) -> list[int]:
         return self.match(history, k)[0]
 
+    def admit(self, rows: torch.Tensor, v: Verified) -> None:
+        if not self.on_device:         # the host proposer's view of the batch grows, it is never reset per row
+            super().admit(rows, v)
+        # on the device the match reads the engine's token buffer, whose rows the engine resets
+
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
         if self.on_device:
             if ctx.tokens is None:
@@ -289,16 +301,19 @@ class DraftCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_seq = max_seq
-        self.write_pos = self.mask = self.index = self.kernel_mask = None
+        self.write_pos = self.mask = self.index = self.kernel_mask = self.rows = None
         self.kv_len = self.slots
         # the engine's decode attention kernel on a GPU (as in the target's layers), SDPA on a CPU
         self.attn_backend = kernels.resolve_backend("auto", self.lengths)
 
-    def prepare(self, write_pos: torch.Tensor, mask: torch.Tensor, kv_len: int, groups: int = 1) -> None:
-        """Before a head call: where its T new K/V go, what each sees (bool [B, 1, T, kv_len]), and
-        ``groups`` = query heads per KV head (the kernel's additive mask has a row per query head)."""
-        self.write_pos, self.mask, self.kv_len = write_pos.clamp(max=self.max_seq - 1), mask, kv_len
-        self.index = kv_write_index(self.write_pos, self.k[0].shape[1])       # one for every layer of the call
+    def prepare(self, write_pos: torch.Tensor, mask: torch.Tensor, kv_len: int, groups: int = 1,
+                rows: torch.Tensor | None = None) -> None:
+        """Before a head call: where its T new K/V go, what each sees (bool [B, 1, T, kv_len]),
+        ``groups`` = query heads per KV head (the kernel's additive mask has a row per query head)
+        and ``rows`` [B] the cache row of each batch row (None: the first B; continuous batching
+        admits new requests into freed rows this way)."""
+        self.write_pos, self.mask, self.kv_len, self.rows = write_pos.clamp(max=self.max_seq - 1), mask, kv_len, rows
+        self.index = kv_write_index(self.write_pos, self.k[0].shape[1], rows)  # one for every layer of the call
         self.kernel_mask = None
         if self.attn_backend == "triton":
             self.kernel_mask = additive_mask(mask, self.k[0].dtype, groups)
@@ -314,9 +329,10 @@ class DraftCache:
         # kernels.decode_attention runs its reference where the kernel does not take the shape
         if (self.kernel_mask is not None and self.kernel_mask.shape[2] == T * (H // KvH) and q.dtype == K.dtype
                 and scale in (None, D ** -0.5)):
-            o = kernels.decode_attention(q.transpose(1, 2), K, V, self.kernel_mask, self.kv_len,
+            o = kernels.decode_attention(q.transpose(1, 2), K, V, self.kernel_mask, self.kv_len, self.rows,
                                          backend=self.attn_backend)
             return o.view(B, T, H, D).transpose(1, 2)
+        K, V = (K[:B], V[:B]) if self.rows is None else (K[self.rows], V[self.rows])
         return F.scaled_dot_product_attention(
             q, K[:, :, :self.kv_len].to(q.dtype), V[:, :, :self.kv_len].to(q.dtype),
             attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != KvH)
@@ -438,10 +454,12 @@ class HeadDrafter(Drafter):
             return self.head.project(v.aux)
         return v.final
 
-    def _step_impl(self, ids, hidden, positions, write_pos, mask, kv_len, step: int = 0):
+    def _step_impl(self, ids, hidden, positions, write_pos, mask, kv_len, step: int = 0, rows=None):
         """One head call (raw draft logits, hidden). ``step`` = 0 for the first pass, s for the
-        s-th draft token after it (MTP uses depth s mod num_mtp_depths, as vLLM's MTP proposer does)."""
-        self.cache.prepare(write_pos, mask, kv_len, self.cfg.num_attention_heads // self.cfg.num_key_value_heads)
+        s-th draft token after it (MTP uses depth s mod num_mtp_depths, as vLLM's MTP proposer does);
+        ``rows``: the cache rows of the batch rows (None: the first B)."""
+        self.cache.prepare(write_pos, mask, kv_len, self.cfg.num_attention_heads // self.cfg.num_key_value_heads,
+                           rows)
         p = next(self.head.parameters())
         kw = {"depth": step % max(1, self.cfg.num_mtp_depths)} if self.kind == "mtp" else {}
         return self.head.forward_step(ids, hidden.to(p.dtype), positions, attention_mask=None, kv_cache=self.cache,
@@ -500,6 +518,34 @@ class HeadDrafter(Drafter):
             return
         self._first_pass_fn(v.start, v.count, v.next_tokens, states, self._kv_len(),
                             (st.root_logits, st.root_h, st.root_pos))
+
+    @torch.no_grad()
+    def admit(self, rows: torch.Tensor, v: Verified) -> None:
+        """The first pass over the new requests' prompts alone (eager, like the target's prefill),
+        into their rows of the draft cache and of the root buffers."""
+        st, ctx = self.state, self.ctx
+        if st is None:
+            raise RuntimeError("admit() before start()")
+        c = self.cache
+        n, W = v.next_tokens.shape
+        dev = v.next_tokens.device
+        kv_len = min(round_up(W), c.slots)
+        pos = torch.arange(W, device=dev)[None].expand(n, W)
+        mask = build_attn_mask(torch.zeros(n, dtype=torch.long, device=dev), pos.clamp(max=kv_len - 1), None, kv_len)
+        states = v.aux if self.kind == "eagle3" else v.final
+        hidden = self.head.project(states) if self.kind == "eagle3" else states
+        logits, h = self._step_impl(v.next_tokens, hidden, pos, pos, mask, kv_len, rows=rows)
+        last = (v.count - 1).clamp(min=0)
+        r = torch.arange(n, device=dev)
+        if st.root_logits is None or st.root_logits.shape[0] != ctx.batch:
+            # sized once, then written in place: captured step graphs read these very tensors
+            st.root_logits = logits.new_zeros(ctx.batch, logits.shape[-1])
+            st.root_h = h.new_zeros(ctx.batch, h.shape[-1])
+            st.root_pos = torch.zeros(ctx.batch, dtype=torch.long, device=dev)
+        st.root_logits[rows] = logits[r, last]
+        st.root_h[rows] = h[r, last]
+        st.root_pos[rows] = last
+        c.lengths[rows] = v.count
 
     def _first_pass(self, start, count, next_tokens, states, kv_len: int, roots=None):
         """``update``'s pass: the head over positions start .. start+W-1 of each row; the root
@@ -741,6 +787,14 @@ class HybridDrafter(Drafter):
             z = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
             self._bufs[key] = (z(B, k), z(B), z(B, k), z(B), z(B, dtype=torch.bool))
         return self._bufs[key]
+
+    def admit(self, rows: torch.Tensor, v: Verified) -> None:
+        self.head.admit(rows, v)
+        self.ngram.admit(rows, v)
+        self.score[rows] = 0.0          # a new request starts with no record on either side
+        self.use_ngram[rows] = False
+        if self._last is not None and self._last[4].shape[0] == self.score.shape[0]:
+            self._last[4][rows] = False  # its row's last proposals were the previous request's
 
     def update(self, v: Verified) -> None:
         if self.adaptive and self._last is not None and self._last[0].shape[0] == v.next_tokens.shape[0]:

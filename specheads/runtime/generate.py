@@ -33,10 +33,12 @@ result. Drafters that read the host view (``ctx.histories``) run eagerly with on
 step, with the target forward in the engine's per-forward graphs.
 
 Continuous batching (``generate_continuous``, ``ContinuousGeneration``, and ``generate_flows`` for
-multi-step work; plain decoding only):
+multi-step work; plain decoding, or chains from a drafter whose state is on the device):
 the same step over a fixed set of slots, with a finished row's slot refilled by the next
-request (a prefill of just the new prompts into their cache rows) between steps, so the step's
-graphs stay valid. Data generation (regenerate, synthesize) runs this way.
+request (a prefill of just the new prompts into their cache rows, and the drafter's first pass
+over them into its rows) between steps, so the step's graphs stay valid. Data generation
+(regenerate, synthesize) runs this way, and so does the serving benchmark (drafters in a batch
+whose finished rows are refilled, as in a server, not held back by the batch's slowest row).
 
 Randomness: request b's generator draws, for every step s (s = 0 is the prefill's token),
 ``2 * (1 + K)`` uniforms (accept, sample) and k more for sampled drafts, in chunks of
@@ -224,6 +226,7 @@ class _Workspace:
         self.top_p = torch.ones((), dtype=torch.float32, device=dev)
         self.uchunk = torch.zeros(UNIFORM_CHUNK, B, Wu, device=dev) if Wu else None
         self.rec = torch.zeros(R, 5, B, dtype=L, device=dev)
+        self.row_steps = torch.zeros(B, dtype=L, device=dev)       # steps each row was active in (continuous)
         self.flag = torch.zeros(2, dtype=L, device=dev)             # (any row active, longest cache)
         cuda = dev.type == "cuda"
         self.pinned = torch.zeros(2, 2, dtype=L, pin_memory=cuda)
@@ -661,22 +664,27 @@ class Request:
     seed: int = 0
     stop_token_ids: Sequence[int] | None = None    # None: the target's EOS ids; (): never stop early
     tag: Any = None
+    target_forwards: int = 0                       # set when it finishes: its decode steps (its τ is
+                                                   # (len(tokens) - 1) / target_forwards: the first token is the prefill's)
 
 
 MAX_STOP_IDS = 16             # stop ids one continuous request may have (the workspace's width)
 
 
 class ContinuousGeneration(Generation):
-    """Plain decoding (greedy, or sampled with the one-hot rule) over a stream of requests: a
-    row that finishes gives its cache slot to the next request at once instead of idling until
-    the longest row of its batch is done.
+    """Decoding over a stream of requests: a row that finishes gives its cache slot to the next
+    request at once instead of idling until the longest row of its batch is done. Plain (greedy,
+    or sampled with the one-hot rule), or speculative with a chain ``drafter`` whose state lives
+    on the device row by row (``Drafter.admit``: the heads, the device n-gram proposer, the
+    hybrid), greedy or sampled (``rule``: 'onehot', or 'rejection' for drafters with probabilities).
 
     The decode step is ``Generation.step`` unchanged (so the same CUDA graph per shape); what
     happens between steps: every ``sync_every`` steps (fewer when a row must hit its length cap
     sooner) one host read finds the finished rows (``_harvest``); their tokens go to
     ``on_finish``, and free slots are refilled (``_admit``): a batched prefill of just the new
     prompts, written into the static cache at their slots (``TargetModel.forward(rows=...)``),
-    first token picked, workspace rows reset - while the other rows keep their state.
+    first token picked, workspace rows reset, the drafter's first pass over the new prompts
+    (``Drafter.admit``) - while the other rows keep their state.
 
     A request's output does not depend on its neighbours or slot: its prefill and decode rows
     compute the same as alone, and its uniforms come from its own generator in its own order
@@ -689,7 +697,8 @@ class ContinuousGeneration(Generation):
 
     def __init__(self, model: TargetModel, batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, use_cuda_graphs: bool = False, sync_every: int = 8,
-                 prefill_tokens: int = 32768, refill_at: int = 1):
+                 prefill_tokens: int = 32768, refill_at: int = 1, *, drafter: Drafter | None = None, k: int = 3,
+                 rule: str | None = None):
         B = batch_size or model.max_batch
         if not 1 <= B <= model.max_batch:
             raise ValueError(f"batch_size {B} must be in 1..engine max_batch {model.max_batch}")
@@ -699,13 +708,26 @@ class ContinuousGeneration(Generation):
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         if refill_at < 1:
             raise ValueError(f"refill_at must be >= 1, got {refill_at}")
-        rule = "onehot" if temperature > 0 else "greedy"
-        self._setup(model, B, None, 0, None, rule, temperature, top_k, top_p, (1.0, 1.0), use_cuda_graphs,
+        if rule is None:
+            rule = "onehot" if temperature > 0 else "greedy"
+        if (rule == "greedy") != (temperature == 0) or rule not in CHAIN_RULES or (drafter is None and rule == "rejection"):
+            raise ValueError(f"rule {rule!r} does not fit temperature {temperature}"
+                             f"{'' if drafter is not None else ' without a drafter'}: continuous batching takes "
+                             f"'greedy' at temperature 0, else 'onehot' (or 'rejection' with a drafter)")
+        if drafter is not None:
+            if not 1 <= k <= MAX_K:
+                raise ValueError(f"k must be in 1..{MAX_K}, got {k}")
+            if rule == "rejection" and not getattr(drafter, "provides_probs", False):
+                raise ValueError(f"rule 'rejection' needs draft probabilities; {type(drafter).__name__} proposes "
+                                 f"one-hot drafts: use rule='onehot'")
+            if getattr(drafter, "check_target", None) is not None:
+                drafter.check_target(model.args.vocab_size)
+        self._setup(model, B, drafter, k, None, rule, temperature, top_k, top_p, (1.0, 1.0), use_cuda_graphs,
                     [torch.Generator() for _ in range(B)], records=8, max_stops=MAX_STOP_IDS,
                     histories=[[] for _ in range(B)])
         self.sync_every, self.prefill_tokens, self.refill_at = sync_every, prefill_tokens, min(refill_at, B)
         self.slot_req: list[Request | None] = [None] * B
-        self.stats.update(requests=0, tokens=0, steps=0, prefills=0, syncs=0)
+        self.stats.update(requests=0, tokens=0, steps=0, prefills=0, syncs=0, decode_tokens=0, row_steps=0)
 
     # ---- the loop ------------------------------------------------------------------------
     def serve(self, requests: Iterable[Request], on_finish: Callable[[Request, list[int], str], Request | None]) -> None:
@@ -732,16 +754,32 @@ class ContinuousGeneration(Generation):
         ws.stopped.zero_()
         ws.max_new.zero_()
         ws.stops.fill_(-1)
+        ws.row_steps.zero_()
         self._reset_step_state()
         self.t = 0
-        self.capture = self.use_graphs    # no drafter: the step is graph safe
+        if self.drafter is not None:
+            self.drafter.start(self.ctx)
+            if not getattr(self.drafter, "graph_safe", False):
+                raise ValueError(f"{type(self.drafter).__name__} reads a host view of the batch: continuous batching "
+                                 f"needs a drafter whose state is on the device (a head, NGramDrafter(backend="
+                                 f"'device'), a hybrid of the two)")
+        self.graph_safe = True
+        self.capture = self.use_graphs    # the step never syncs (plain, or a graph-safe drafter)
+
+    def step(self) -> None:
+        d = self.draft()
+        self.ws.row_steps += d.active     # each request's target forwards, for its τ
+        self.commit(d, self.verify(d))
+
+    def _graph_key(self):
+        return super()._graph_key() + ("continuous",)     # its step counts row_steps too
 
     def _decode(self, n: int, longest: int) -> None:
         """``n`` steps without reading anything back; ``longest`` = the longest cache row now."""
         known_step = self.t - 1
         for _ in range(n):
             t = self.t
-            self.kv_len = self._bucket(longest + (t - known_step) * self.reach)
+            self.kv_len = self.ctx.kv_len = self._bucket(longest + (t - known_step) * self.reach)
             if self.Wu and (t + 1) % UNIFORM_CHUNK == 0:
                 self._refill()
             self._launch()
@@ -752,9 +790,9 @@ class ContinuousGeneration(Generation):
         """One host read: hand finished rows to ``on_finish`` and free their slots. Returns the
         live rows, their longest cache and the fewest steps until one must stop (length cap)."""
         ws, B = self.ws, self.B
-        act, stopped, plen, hlen, clen, max_new = torch.stack([
+        act, stopped, plen, hlen, clen, max_new, nsteps = torch.stack([
             ws.active.long(), ws.stopped.long(), ws.prompt_len, ws.hist_len, self.model.cache.lengths[:B],
-            ws.max_new]).tolist()
+            ws.max_new, ws.row_steps]).tolist()
         self.stats["syncs"] += 1
         done = [b for b in range(B) if self.slot_req[b] is not None and not act[b]]
         if done:
@@ -763,7 +801,10 @@ class ContinuousGeneration(Generation):
             for b, row in zip(done, rows):
                 req, self.slot_req[b] = self.slot_req[b], None
                 tokens = row[plen[b] - lo:hlen[b] - lo]
+                req.target_forwards = nsteps[b]
                 self.stats["tokens"] += len(tokens)
+                self.stats["decode_tokens"] += len(tokens) - 1
+                self.stats["row_steps"] += nsteps[b]
                 nxt = self.on_finish(req, tokens, "stop" if stopped[b] else "length")
                 if nxt is not None:
                     self.followups.append(nxt)
@@ -780,10 +821,11 @@ class ContinuousGeneration(Generation):
         r.stop_token_ids = sorted(set(int(t) for t in stops))
         if not r.prompt or r.max_new_tokens < 1:
             raise ValueError("every request needs a prompt of at least one token and max_new_tokens >= 1")
-        if len(r.prompt) + r.max_new_tokens + 1 > self.model.max_seq:
-            raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} needs a cache "
-                             f"of {len(r.prompt) + r.max_new_tokens + 1} positions; the engine has "
-                             f"max_seq={self.model.max_seq}")
+        need = len(r.prompt) + r.max_new_tokens + self.K + 1       # K: the draft slots past a row's cache
+        if need > self.model.max_seq:
+            raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens}"
+                             f"{f' + {self.K} draft slots' if self.K else ''} needs a cache of {need} positions; "
+                             f"the engine has max_seq={self.model.max_seq}")
         if len(r.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(r.stop_token_ids)} stop ids > {MAX_STOP_IDS}")
         return r
@@ -822,7 +864,8 @@ class ContinuousGeneration(Generation):
         ids = _left_aligned([r.prompt for r in reqs], T).to(dev)
         m.cache.lengths[rows] = 0
         with prefill_attention(m):
-            out = m(ids, logits_index=(lens - 1)[:, None], kv_len=T, rows=rows)
+            out = m(ids, logits_index=(lens - 1)[:, None], kv_len=T, rows=rows, aux_layer_ids=self.aux_ids,
+                    return_final=self.need_final)
         m.cache.lengths[rows] = lens
         for b, r in zip(slots, reqs):
             self.gens[b] = torch.Generator().manual_seed(int(r.seed))
@@ -843,6 +886,10 @@ class ContinuousGeneration(Generation):
         ws.stops[rows] = stops
         ws.stopped[rows] = hit
         ws.active[rows] = ~hit & (max_new > 1)
+        ws.row_steps[rows] = 0
+        if self.drafter is not None:
+            self.drafter.admit(rows, Verified(start=torch.zeros_like(lens), count=lens, next_tokens=ws.hist[rows, 1:T + 1],
+                                              aux=out.aux, final=out.final))
         self.stats["requests"] += len(reqs)
         self.stats["prefills"] += 1
 
@@ -864,18 +911,23 @@ class ContinuousGeneration(Generation):
 def generate_continuous(model: TargetModel, requests: Iterable[Request],
                         on_finish: Callable[[Request, list[int], str], Request | None], *,
                         batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                        use_cuda_graphs: bool = False, sync_every: int = 8, refill_at: int = 1) -> dict:
-    """Plain decoding with continuous batching (see ``ContinuousGeneration``); returns counts
-    (requests, tokens, steps, prefills, host syncs, graph replays) and ``seconds``.
+                        use_cuda_graphs: bool = False, sync_every: int = 8, refill_at: int = 1,
+                        drafter: Drafter | None = None, k: int = 3, rule: str | None = None) -> dict:
+    """Decoding with continuous batching (see ``ContinuousGeneration``), plain or with a chain
+    ``drafter``; returns counts (requests, tokens, steps, prefills, host syncs, graph replays,
+    decode tokens and the row-steps they took), ``tau`` (decode tokens per row-step: 1 when
+    plain) and ``seconds``.
 
-    Greedy outputs equal ``generate`` of each request alone; sampled ones (one-hot rule, the
+    Greedy outputs equal ``generate`` of each request alone, drafted or not; sampled ones (the
     request's ``seed``) too, up to the kernels' batch invariance."""
     gen = ContinuousGeneration(model, batch_size, temperature, top_k, top_p, use_cuda_graphs, sync_every,
-                               refill_at=refill_at)
+                               refill_at=refill_at, drafter=drafter, k=k, rule=rule)
     t0 = time.perf_counter()
     gen.serve(requests, on_finish)
     _sync(model.device)
-    return {**gen.stats, "seconds": time.perf_counter() - t0}
+    st = gen.stats
+    return {**st, "tau": st["decode_tokens"] / st["row_steps"] if st["row_steps"] else 0.0,
+            "seconds": time.perf_counter() - t0}
 
 
 def generate_flows(model: TargetModel, flows: Iterable[tuple[Any, Generator]], on_done: Callable[[Any], None], *,
