@@ -372,14 +372,21 @@ def plot(res, path):
              and r.get("engine", "eager") == first}
     names = list(dict.fromkeys((r.get("engine", "eager"), r["drafter"]) for r in res["rows"]
                                if not (r["drafter"] == "plain" and r.get("engine", "eager") == first)))
+    colors: dict = {}                               # one colour per drafter: its static and served lines alike
+
+    def color(name):
+        return colors.setdefault(name, f"C{len(colors)}")
+
     for eng, name in names:
         rows = [r for r in res["rows"] if r["drafter"] == name and r.get("engine", "eager") == eng]
         ax.plot([r["batch"] for r in rows], [r["tokens_per_s"] / plain[r["batch"]] for r in rows], marker="o",
+                color=color(name if len(res.get("engines", ["eager"])) == 1 else (name, eng)),
                 label=name if len(res.get("engines", ["eager"])) == 1 else f"{name}, {eng}")
     serving = [r for r in res.get("serving", []) if r["drafter"] != "plain" and r["engine"] == first]
     for name in dict.fromkeys(r["drafter"] for r in serving):
         rows = [r for r in serving if r["drafter"] == name]
-        ax.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], marker="s", ls=":", label=f"{name}, served")
+        ax.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], marker="s", ls=":", color=color(name),
+                label=f"{name}, served")
     ax.axhline(1.0, color="grey", lw=1, ls="--", label=f"plain, {first}")
     ax.set_xscale("log", base=2)
     batches = sorted({r["batch"] for r in res["rows"]})
