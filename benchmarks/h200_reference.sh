@@ -7,8 +7,9 @@
 # ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
 # Every stage resumes: a second run after a kill continues where the first stopped.
 # SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1); EXTRAS=1 adds the
-# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna; ABLATIONS=1 adds the trainer
-# through torch.compile, TTT 1, and the EAGLE-1 and MTP heads on the same rows (the ABLATION_FRACTION share, 0.3),
+# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna; ABLATIONS=1 adds
+# TTT 1 and the EAGLE-1 and MTP heads on the same rows (the ABLATION_FRACTION share, 0.3; the trainer through
+# torch.compile is left out by default: on 2026-12-02 it had not reached its first step after ~4 min on the H200),
 # on held-back gsm8k; both start only within BUDGET_S seconds of the run's start. FRACTIONS and
 # LRS override the sweep (FRACTIONS=1 LRS=2e-3: no sweep, one run; the default grid is centred on 2e-3, the
 # 2026-12-02 choice and the largest rate of its grid), COMPILE=1 and EXTRA_OV below.
@@ -96,7 +97,7 @@ print(s['final']['train_dir'], s['best_lr'])")
     BASE=$(python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
 print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 and r['lr'] == s['best_lr']))")
     AB=$RUN/ablation; HEADS=()
-    for v in "eagle3_ttt7:" ${ABLATION_VARIANTS:-"eagle3_ttt7_compiled:train.compile=true" "eagle3_ttt1:train.ttt_steps=1" \
+    for v in "eagle3_ttt7:" ${ABLATION_VARIANTS:-"eagle3_ttt1:train.ttt_steps=1" \
              "eagle1:head.kind=eagle1,head.fc_bias=false,export.format=eagle" "mtp:head.kind=mtp,export.format=mtp"}; do
       in_budget || break
       name=${v%%:*}; o=${v#*:}; vo=(${o//,/ }); TD=$AB/train_$name; [ $name = eagle3_ttt7 ] && TD=$BASE
