@@ -737,3 +737,27 @@ def test_continuous_batching_refuses_host_drafters(llama):
     with pytest.raises(ValueError, match="draft slots"):
         generate_continuous(m, [Request([1] * 140, 18)], lambda *a: None, batch_size=2,
                             drafter=NGramDrafter(backend="device"), k=3)
+
+
+@pytest.mark.parametrize("kind,rule", [("ngram", "onehot"), ("head", "rejection"), ("hybrid", "rejection")])
+def test_sampled_continuous_batching_with_a_drafter_equals_one_at_a_time(llama, kind, rule):
+    """Sampled drafting under continuous batching: each request draws its uniforms from its own
+    seed in its own order, so its tokens equal the same drafter's sampled run of it alone."""
+    _, m = llama
+    prompts, caps = _ragged_requests()
+
+    def drafter():
+        ng = NGramDrafter(1, 4, backend="device")
+        if kind == "ngram":
+            return ng
+        hd = drafter_for_head(_head("eagle3", draft_vocab=48))
+        return HybridDrafter(hd, ng, min_match=1) if kind == "hybrid" else hd
+
+    kw = dict(temperature=0.9, top_k=20)
+    alone = []
+    for i, (p, n) in enumerate(zip(prompts, caps)):
+        r = generate(m, [p], n, drafter=drafter(), k=3, rule=rule, seed=[100 + i], stop_token_ids=(), **kw)
+        alone.append((r.tokens[0], r.finish_reasons[0]))
+    reqs = [Request(p, n, seed=100 + i, stop_token_ids=(), tag=i) for i, (p, n) in enumerate(zip(prompts, caps))]
+    got, _ = _continuous(m, reqs, 3, sync_every=2, drafter=drafter(), k=3, rule=rule, **kw)
+    assert got == alone

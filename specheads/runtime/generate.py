@@ -678,7 +678,8 @@ class ContinuousGeneration(Generation):
     on the device row by row (``Drafter.admit``: the heads, the device n-gram proposer, the
     hybrid), greedy or sampled (``rule``: 'onehot', or 'rejection' for drafters with probabilities).
 
-    The decode step is ``Generation.step`` unchanged (so the same CUDA graph per shape); what
+    The decode step is ``Generation.step`` (plus a per-row count of the target forwards; one CUDA
+    graph per shape, replayed across refills); what
     happens between steps: every ``sync_every`` steps (fewer when a row must hit its length cap
     sooner) one host read finds the finished rows (``_harvest``); their tokens go to
     ``on_finish``, and free slots are refilled (``_admit``): a batched prefill of just the new
