@@ -523,45 +523,39 @@ class HeadDrafter(Drafter):
     def admit(self, rows: torch.Tensor, v: Verified) -> None:
         """The first pass over the new requests' prompts alone (eager, like the target's prefill),
         into their rows of the draft cache and of the root buffers."""
-        st, ctx = self.state, self.ctx
+        st = self.state
         if st is None:
             raise RuntimeError("admit() before start()")
-        c = self.cache
-        n, W = v.next_tokens.shape
-        dev = v.next_tokens.device
-        kv_len = min(round_up(W), c.slots)
-        pos = torch.arange(W, device=dev)[None].expand(n, W)
-        mask = build_attn_mask(torch.zeros(n, dtype=torch.long, device=dev), pos.clamp(max=kv_len - 1), None, kv_len)
         states = v.aux if self.kind == "eagle3" else v.final
-        hidden = self.head.project(states) if self.kind == "eagle3" else states
-        logits, h = self._step_impl(v.next_tokens, hidden, pos, pos, mask, kv_len, rows=rows)
-        last = (v.count - 1).clamp(min=0)
-        r = torch.arange(n, device=dev)
-        if st.root_logits is None or st.root_logits.shape[0] != ctx.batch:
+        out = self._first_pass(v.start, v.count, v.next_tokens, states, min(round_up(v.next_tokens.shape[1]),
+                                                                            self.cache.slots), rows=rows)
+        B = self.ctx.batch
+        if st.root_logits is None or st.root_logits.shape[0] != B:
             # sized once, then written in place: captured step graphs read these very tensors
-            st.root_logits = logits.new_zeros(ctx.batch, logits.shape[-1])
-            st.root_h = h.new_zeros(ctx.batch, h.shape[-1])
-            st.root_pos = torch.zeros(ctx.batch, dtype=torch.long, device=dev)
-        st.root_logits[rows] = logits[r, last]
-        st.root_h[rows] = h[r, last]
-        st.root_pos[rows] = last
-        c.lengths[rows] = v.count
+            st.root_logits, st.root_h, st.root_pos = (t.new_zeros((B,) + t.shape[1:]) for t in out)
+        for buf, t in zip((st.root_logits, st.root_h, st.root_pos), out):
+            buf[rows] = t
 
-    def _first_pass(self, start, count, next_tokens, states, kv_len: int, roots=None):
+    def _first_pass(self, start, count, next_tokens, states, kv_len: int, roots=None, rows=None):
         """``update``'s pass: the head over positions start .. start+W-1 of each row; the root
-        (logits, hidden, position) at its last verified one goes to ``roots`` (or is returned)."""
+        (logits, hidden, position) at its last verified one goes to ``roots`` (or is returned).
+        ``rows``: the cache rows of the batch rows (``admit``; None: the first B)."""
         c = self.cache
         B, W = next_tokens.shape
         dev = next_tokens.device
-        c.lengths[:B] = start
+        at = slice(0, B) if rows is None else rows
+        c.lengths[at] = start
         pos = start[:, None] + torch.arange(W, device=dev)
-        mask = build_attn_mask(c.lengths[:B], pos.clamp(max=kv_len - 1), None, kv_len)
+        mask = build_attn_mask(c.lengths[at], pos.clamp(max=kv_len - 1), None, kv_len)
         hidden = self.head.project(states) if self.kind == "eagle3" else states
-        logits, h = self._inner_step(next_tokens, hidden, pos, pos, mask, kv_len)
+        if rows is None:
+            logits, h = self._inner_step(next_tokens, hidden, pos, pos, mask, kv_len)
+        else:     # admission: eager, as the target's prefill (its prompt widths would recompile a compiled step)
+            logits, h = self._step_impl(next_tokens, hidden, pos, pos, mask, kv_len, rows=rows)
         last = (count - 1).clamp(min=0)
-        rows = torch.arange(B, device=dev)
-        c.lengths[:B] = start + count
-        out = (logits[rows, last], h[rows, last], start + last)
+        r = torch.arange(B, device=dev)
+        c.lengths[at] = start + count
+        out = (logits[r, last], h[r, last], start + last)
         if roots is None:
             return out
         for buf, t in zip(roots, out):

@@ -105,6 +105,17 @@ def _check(model, prompts, max_new_tokens, drafter, k, tree, rule, temperature, 
         raise ValueError(f"thresholds must be two numbers in (0, 1], got {thresholds}")
     if len(prompts) > model.max_batch:
         raise ValueError(f"{len(prompts)} prompts > engine max_batch {model.max_batch}")
+    spec = _check_drafter(model, drafter, k, tree, rule)
+    longest = max(len(p) for p in prompts)
+    need = longest + max_new_tokens + spec + 1
+    if longest >= model.max_seq or need > model.max_seq:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + {spec} draft slots "
+                         f"needs a cache of {need} positions; the engine has max_seq={model.max_seq}")
+
+
+def _check_drafter(model, drafter, k, tree, rule) -> int:
+    """The drafter against k, the tree, the rule and the target (``generate`` and continuous
+    batching); returns the draft slots a step needs past a row's cache."""
     spec = 0
     if drafter is not None:
         if tree is not None:
@@ -127,11 +138,7 @@ def _check(model, prompts, max_new_tokens, drafter, k, tree, rule, temperature, 
         raise ValueError(f"rule {rule!r} needs a drafter with a tree")
     if drafter is not None and getattr(drafter, "check_target", None) is not None:
         drafter.check_target(model.args.vocab_size)          # a head that does not fit: refused here, named
-    longest = max(len(p) for p in prompts)
-    need = longest + max_new_tokens + spec + 1
-    if longest >= model.max_seq or need > model.max_seq:
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} + {spec} draft slots "
-                         f"needs a cache of {need} positions; the engine has max_seq={model.max_seq}")
+    return spec
 
 
 @torch.no_grad()
@@ -715,14 +722,7 @@ class ContinuousGeneration(Generation):
             raise ValueError(f"rule {rule!r} does not fit temperature {temperature}"
                              f"{'' if drafter is not None else ' without a drafter'}: continuous batching takes "
                              f"'greedy' at temperature 0, else 'onehot' (or 'rejection' with a drafter)")
-        if drafter is not None:
-            if not 1 <= k <= MAX_K:
-                raise ValueError(f"k must be in 1..{MAX_K}, got {k}")
-            if rule == "rejection" and not getattr(drafter, "provides_probs", False):
-                raise ValueError(f"rule 'rejection' needs draft probabilities; {type(drafter).__name__} proposes "
-                                 f"one-hot drafts: use rule='onehot'")
-            if getattr(drafter, "check_target", None) is not None:
-                drafter.check_target(model.args.vocab_size)
+        _check_drafter(model, drafter, k, None, rule)
         self._setup(model, B, drafter, k, None, rule, temperature, top_k, top_p, (1.0, 1.0), use_cuda_graphs,
                     [torch.Generator() for _ in range(B)], records=8, max_stops=MAX_STOP_IDS,
                     histories=[[] for _ in range(B)])
