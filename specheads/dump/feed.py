@@ -93,6 +93,7 @@ class _OfflineSource:
         loader = torch.utils.data.DataLoader(
             self.ds, batch_sampler=batch_lists, collate_fn=collate, num_workers=self.num_workers,
             persistent_workers=False, prefetch_factor=4 if self.num_workers else None,
+            pin_memory=torch.cuda.is_available(),  # the trainer's copy to the GPU then runs beside the step
         )
         yield from loader
 

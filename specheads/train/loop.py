@@ -254,7 +254,7 @@ class Window:
         self.hits += torch.stack([h.double() for h in out.hits])
         self.counts += torch.stack([c.double() for c in out.counts])
         for k, v in out.extra.items():
-            self.extra[k] = self.extra.get(k, 0.0) + float(v)
+            self.extra[k] = self.extra.get(k, 0.0) + torch.as_tensor(v, device=self.loss.device).detach().double()
         self.n += 1
         self.tokens += tokens
 
@@ -269,7 +269,7 @@ class Window:
         acc = [float(h / c) if c > 0 else 0.0 for h, c in zip(hits, counts)]
         return {"loss": float(vec[0]) / n, "step_loss": [float(x) / n for x in vec[1:1 + K]],
                 "step_acc": acc, "sim_tau": simulated_tau(acc), "positions": int(counts[0]),
-                **{k: v / max(1, self.n) for k, v in self.extra.items()}}
+                **{k: float(v) / max(1, self.n) for k, v in self.extra.items()}}
 
 
 # ---------------------------------------------------------------- the run
@@ -365,11 +365,14 @@ class Run:
         self.logger.log(row)
         return row
 
-    def save_checkpoint(self, step: int, last_eval: dict | None) -> Path:
-        """A resumable checkpoint (collective: every rank calls it)."""
+    def save_checkpoint(self, step: int, last_eval: dict | None, feed_state=None) -> Path:
+        """A resumable checkpoint (collective: every rank calls it). ``feed_state``: where the feed
+        resumes (the trainer's, which has read a batch ahead); default the feed's own position."""
         client = {"step": step, "fingerprint": self.fingerprint, "recipe_hash": self.recipe.hash(),
                   "target": self.identity, "head_config": self.head_cfg, "world_size": self.world}
-        rank_state = {"feed": self.feed.state_dict() if hasattr(self.feed, "state_dict") else None,
+        if feed_state is None and hasattr(self.feed, "state_dict"):
+            feed_state = self.feed.state_dict()
+        rank_state = {"feed": feed_state,
                       "rng": ckpt.rng_state(), "step": step}
         return ckpt.save_checkpoint(self.engine, self.train_dir, step, client, rank_state, self.rank, self.head_cfg,
                                     self.meta(step, {"eval": last_eval}))
@@ -426,7 +429,8 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
                           eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel,
                           compile=tcfg.compile)
     _, lm_w, lm_b = target_weights(target)
-    target_logits = TargetLogits(lm_w, built.d2t if cfg.kind == "eagle3" else None, lm_b).to(device)
+    target_logits = TargetLogits(lm_w, built.d2t if cfg.kind == "eagle3" else None, lm_b,
+                                 tf32=precision == "bf16").to(device)
 
     total = total_steps(recipe, len(feed))
     sched = LRLambda(total, tcfg.warmup_steps, tcfg.scheduler, tcfg.min_lr_ratio)
@@ -497,21 +501,86 @@ class Batches:
                 self._it = iter(self.feed)
 
 
-def _train_step(run: Run, batches: Batches, win: Window, step: int) -> tuple[float | None, float]:
+@dataclass
+class MicroBatch:
+    """One training micro-batch on the device, with what the loop needs of it on the host."""
+
+    data: dict
+    tokens: int  # real (unpadded) tokens
+    rows: list | None  # row ids, for a divergence report
+    shape: tuple
+    epoch: int
+
+
+class DeviceBatches:
+    """:class:`Batches`, checked on the host and moved to the device one micro-batch ahead.
+
+    While a micro-batch trains, the next one is checked (``check_batch`` on host tensors: no device
+    sync), counted, and copied from pinned memory on a side stream, so the GPU never waits for a
+    host-to-device copy of ~150 MB of states. ``feed_state()`` is the feed's position before the
+    batch waiting in the copy: a checkpoint resumes at the first batch not trained on."""
+
+    def __init__(self, feed, device: torch.device, check):
+        self.batches = Batches(feed)
+        self.feed, self.device, self.check = feed, device, check
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending: MicroBatch | None = None
+        self._pending_state = None
+        self._epoch = 0
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the last batch handed out (the one read ahead may be the next epoch's)."""
+        return self._epoch
+
+    def _load(self) -> MicroBatch:
+        self._pending_state = self.feed.state_dict() if hasattr(self.feed, "state_dict") else None
+        b = self.batches.next()
+        self.check(b)
+        mask = b.get("attention_mask")
+        tokens = int(mask.sum()) if mask is not None else int(b["input_ids"].numel())
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                data = _to_device(b, self.device)
+        else:
+            data = _to_device(b, self.device)
+        return MicroBatch(data, tokens, _row_ids(b), tuple(b["input_ids"].shape), self.batches.epoch)
+
+    def next(self) -> MicroBatch:
+        cur = self._pending if self._pending is not None else self._load()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            for v in cur.data.values():
+                if torch.is_tensor(v) and v.is_cuda:
+                    v.record_stream(torch.cuda.current_stream(self.device))  # allocated on the copy stream
+        self._pending = self._load()
+        self._epoch = cur.epoch
+        return cur
+
+    def feed_state(self):
+        if self._pending is None:
+            return self.feed.state_dict() if hasattr(self.feed, "state_dict") else None
+        return self._pending_state
+
+
+def _train_step(run: Run, batches: DeviceBatches, win: Window, step: int) -> tuple[float | None, float]:
     """Optimizer step ``step + 1``: forward/backward over micro-batches up to the gradient accumulation
-    boundary, then ``engine.step()``. Adds each micro-batch to ``win``; returns (grad norm, lr used)."""
+    boundary, then ``engine.step()``. Adds each micro-batch to ``win``; returns (grad norm, lr used).
+
+    Nothing is read back per micro-batch: each loss's finiteness stays on the device until the
+    boundary, where one read (all-reduced over ranks) checks them all, so the host keeps queueing
+    work. A NaN loss has then reached the optimizer; the run stops before anything is saved."""
     engine, tcfg = run.engine, run.recipe.train
     micro = 0
+    losses, seen = [], []
     while True:
-        batch = _to_device(batches.next(), run.device)
-        check_batch(batch, run.built, run.target_hidden)
-        out = engine(batch, run.target_logits(batch["final"]))
-        bad = torch.tensor(0.0 if torch.isfinite(out.loss.detach()).item() else 1.0, device=run.device)
-        if float(_allreduce(bad, dist.ReduceOp.MAX)) > 0:
-            raise _diverged(f"loss is {float(out.loss.detach())}", step + 1, micro, batches.epoch, batch,
-                            run.train_dir)
+        mb = batches.next()
+        out = engine(mb.data, run.target_logits(mb.data["final"]))
+        losses.append(out.loss.detach().float())
+        seen.append(mb)
         engine.backward(out.loss)
-        win.add(out, int(batch["attention_mask"].sum()) * run.world)
+        win.add(out, mb.tokens * run.world)
         boundary = engine.is_gradient_accumulation_boundary()
         own_gn = None
         if boundary:
@@ -522,10 +591,16 @@ def _train_step(run: Run, batches: Batches, win: Window, step: int) -> tuple[flo
         micro += 1
         if boundary:
             break
+    losses = torch.stack(losses)
+    bad = _allreduce((~torch.isfinite(losses)).float(), dist.ReduceOp.MAX).tolist()
+    if any(bad):
+        m = bad.index(1.0)
+        raise _diverged(f"loss is {float(losses[m])}", step + 1, m, seen[m].epoch, seen[m].rows, seen[m].shape, run.train_dir)
     gn = engine.get_global_grad_norm()
     gn = float(gn) if gn is not None else own_gn
     if gn is not None and not math.isfinite(gn):
-        raise _diverged(f"gradient norm is {gn}", step + 1, None, batches.epoch, batch, run.train_dir)
+        raise _diverged(f"gradient norm is {gn}", step + 1, None, seen[-1].epoch, seen[-1].rows, seen[-1].shape,
+                        run.train_dir)
     return gn, lr
 
 
@@ -562,7 +637,7 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
     tokens_total = 0
     last_eval = None
     last_saved = resume_step
-    batches = Batches(run.feed)
+    batches = DeviceBatches(run.feed, run.device, lambda b: check_batch(b, run.built, run.target_hidden))
     win = Window(run.K, run.device)  # metrics since the last logged step
     t_window = time.time()
     run.engine.train()
@@ -583,7 +658,7 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < run.total:
                 last_eval = run.evaluate(step) or last_eval
             if tcfg.save_every and step % tcfg.save_every == 0 and step < run.total:
-                run.save_checkpoint(step, last_eval)
+                run.save_checkpoint(step, last_eval, batches.feed_state())
                 last_saved = step
     except TrainingDivergedError:
         if pbar is not None:
@@ -596,7 +671,7 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
 
     last_eval = run.evaluate(step) or last_eval
     if last_saved != step:
-        run.save_checkpoint(step, last_eval)
+        run.save_checkpoint(step, last_eval, batches.feed_state())
     run.save_final(step, last_eval)
     plots = run.logger.close(plot=True)
     if dist.is_initialized():
@@ -669,13 +744,12 @@ def _gathered(engine, zero_stage: int):
         yield
 
 
-def _diverged(what: str, step: int, micro, epoch: int, batch: dict, train_dir: Path) -> TrainingDivergedError:
-    rows = _row_ids(batch)
+def _diverged(what: str, step: int, micro, epoch: int, rows, shape: tuple, train_dir: Path) -> TrainingDivergedError:
     latest = ckpt.latest_checkpoint(train_dir)
     where = f"optimizer step {step}" + (f", micro-batch {micro}" if micro is not None else "") + f", epoch {epoch}"
     msg = (f"training diverged: {what} at {where}; batch rows: "
            f"{rows if rows is not None else '(the feed gives no row ids)'}; "
-           f"input_ids shape {tuple(batch['input_ids'].shape)}. Nothing was saved from this state; "
+           f"input_ids shape {shape}. Nothing was saved from this state; "
            f"last good checkpoint: {latest if latest else 'none'}")
     try:
         if not dist.is_initialized() or dist.get_rank() == 0:
