@@ -338,10 +338,11 @@ def markdown(res) -> str:
         sv = res["serving"]
         lines += ["", f"Serving: {sv[0]['requests']} requests of {res.get('serve_prompts')} through B slots, continuous "
                   f"batching (stop at EOS, at most {res['new_tokens']} new tokens), prefills included:", "",
-                  "| engine | slots | drafter | τ | tok/s | plain tok/s | speedup | speedup ÷ τ | target steps | "
-                  "lossless |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+                  "| engine | slots | harvest | drafter | τ | tok/s | plain tok/s | speedup | speedup ÷ τ | target steps | "
+                  "lossless |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
         for r in sv:
-            lines.append(f"| {r['engine']} | {r['batch']} | {r['drafter']} | {r['tau']:.2f} | {r['tokens_per_s']:,.0f} | "
+            lines.append(f"| {r['engine']} | {r['batch']} | {r.get('harvest', 'sync')} | {r['drafter']} | {r['tau']:.2f} | "
+                         f"{r['tokens_per_s']:,.0f} | "
                          f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {r['speedup_over_tau']:.2f} | "
                          f"{r['steps']} | {'yes' if r['lossless'] else '**no**'} |")
         cats = sorted({c for r in sv for c in r["tau_by_category"]})
@@ -432,6 +433,9 @@ def main(argv=None):
                     help="also serve N requests with continuous batching at every --batches size above 1")
     ap.add_argument("--serve-prompts", default="builtin:eval_mixed", help="the served prompts (any prompt file)")
     ap.add_argument("--serve-sync-every", type=int, default=4, help="serving: decode steps between host reads")
+    ap.add_argument("--serve-harvest", default="pipelined",
+                    help="serving: 'pipelined' (read a snapshot one block behind), 'sync' (read the live state), "
+                         "or both, comma-separated")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="PNG of speedup against batch size (default: --out with .png)")
     ap.add_argument("--random-weights", action="store_true",
@@ -459,6 +463,9 @@ def main(argv=None):
         if a.random_weights:
             ap.error("--serve needs the real target (its tokenizer and chat template)")
         stream = serve_prompts(tgt.tokenizer, a.serve_prompts, a.serve)
+    harvests = [h.strip() for h in a.serve_harvest.split(",") if h.strip()]
+    if not harvests or set(harvests) - {"pipelined", "sync"}:
+        ap.error(f"--serve-harvest: pipelined, sync or both, comma-separated; got {a.serve_harvest!r}")
     max_seq = max(len(p) for p in prompts + [p for p, _ in stream]) + a.new_tokens + a.k + 64
     engine_names = [e.strip() for e in a.engines.split(",") if e.strip()]
     if not engine_names or set(engine_names) - set(ENGINES):
@@ -535,10 +542,11 @@ def main(argv=None):
         if stream:
             res["serve_prompts"], res["serving"] = a.serve_prompts, []
             for eng, (m, drafters) in engines.items():
-                for B in [b for b in batches if b > 1]:
+                for B, harvest in [(b, h) for b in batches if b > 1 for h in harvests]:
                     t0 = time.perf_counter()
                     # refills gathered: a prefill is one eager forward, dearer than the idle slots it saves
-                    kw = dict(use_cuda_graphs=graphs, sync_every=a.serve_sync_every, refill_at=max(1, B // 8))
+                    kw = dict(use_cuda_graphs=graphs, sync_every=a.serve_sync_every, refill_at=max(1, B // 8),
+                              pipeline_harvest=harvest == "pipelined")
                     base = bench_serving(m, stream, B, a.new_tokens, a.repeat, **kw)
                     rows = [("plain", base)]
                     for name, make in drafters:
@@ -546,11 +554,12 @@ def main(argv=None):
                                                          k=a.k, **kw)))
                     for name, r in rows:
                         sp = r["tokens_per_s"] / base["tokens_per_s"]
-                        res["serving"].append({"engine": eng, "batch": B, "drafter": name, "speedup": sp,
+                        res["serving"].append({"engine": eng, "batch": B, "harvest": harvest, "drafter": name, "speedup": sp,
                                                "speedup_over_tau": sp / r["tau"], "plain_tokens_per_s": base["tokens_per_s"],
                                                "lossless": r["outputs"] == base["outputs"],
                                                **{k: v for k, v in r.items() if k != "outputs"}})
-                    print(f"{eng} engine, serving at {B} slots done ({time.perf_counter() - t0:.0f} s)", flush=True)
+                    print(f"{eng} engine, serving at {B} slots ({harvest} harvest) done ({time.perf_counter() - t0:.0f} s)",
+                          flush=True)
                     save()
         res["recompile_limit_hits"] = limit_hits.detach()
         print()

@@ -30,7 +30,7 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     res = _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--new-tokens", "6",
                          "--head", str(tmp_path / "head"), "--min-match", "2", "--out", str(out), "--profile-all",
-                         "--serve", "10"])
+                         "--serve", "10", "--serve-harvest", "pipelined,sync"])
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["drafter"].split(" ")[0]) for r in rows] == [
@@ -46,7 +46,11 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text and "speedup after prefill ÷ τ" in text
     # serving: 10 mixed-set prompts through 2 slots, continuous batching, every drafter lossless
     serving = json.loads(out.read_text())["serving"]
-    assert [(r["batch"], r["drafter"].split(" ")[0]) for r in serving] == [(2, d) for d in ("plain", "ngram", "head", "hybrid")]
+    assert [(r["batch"], r["harvest"], r["drafter"].split(" ")[0]) for r in serving] == [
+        (2, h, d) for h in ("pipelined", "sync") for d in ("plain", "ngram", "head", "hybrid")]
+    # the harvest one block behind: the same tokens and target forwards per request (a slot is
+    # refilled a block later, so the batch's step count may differ)
+    assert [(r["tokens"], r["tau"]) for r in serving[:4]] == [(r["tokens"], r["tau"]) for r in serving[4:]]
     for r in serving:
         assert r["requests"] == 10 and r["lossless"] is True and r["tau"] >= 1.0 and r["tokens_per_s"] > 0
         assert abs(r["speedup_over_tau"] - r["speedup"] / r["tau"]) < 1e-9

@@ -186,17 +186,19 @@ def test_continuous_batching_graphs_equal_eager(cuda_llama, temperature):
     prompts = [torch.randint(1, V, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (9,), generator=g)]
     caps = [5, 17, 1, 30, 8, 12, 3, 25, 9]
 
-    def run(graphs):
+    def run(graphs, pipelined):
         got = {}
         reqs = [Request(p, n, seed=7 + i, stop_token_ids=[3, 27, 43] if i % 2 else (), tag=i)
                 for i, (p, n) in enumerate(zip(prompts, caps))]
         stats = generate_continuous(m, reqs, lambda r, t, why: got.__setitem__(r.tag, (t, why)), batch_size=3,
-                                    temperature=temperature, top_k=20, use_cuda_graphs=graphs, sync_every=4)
+                                    temperature=temperature, top_k=20, use_cuda_graphs=graphs, sync_every=4,
+                                    pipeline_harvest=pipelined)
         return [got[i] for i in range(9)], stats
 
-    eager, _ = run(False)
-    graphed, stats = run(True)
+    eager, _ = run(False, False)
+    graphed, stats = run(True, True)       # the harvest one block behind, the device's default
     assert graphed == eager and stats["failed"] == 0 and stats["replayed"] > stats["captured"] > 0
+    assert run(True, False)[0] == eager
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "hybrid"])

@@ -559,13 +559,17 @@ def test_continuous_batching_equals_one_at_a_time(llama, temperature):
         alone.append((r.tokens[0], r.finish_reasons[0]))
     assert any(why == "stop" for _, why in alone) and any(why == "length" for _, why in alone)
     prefills = {}
-    for batch, sync_every, refill_at in [(1, 8, 1), (3, 4, 1), (4, 1, 1), (4, 1, 3)]:
+    for batch, sync_every, refill_at, pipelined in [(1, 8, 1, False), (3, 4, 1, False), (4, 1, 1, False),
+                                                    (4, 1, 3, False), (1, 8, 1, True), (3, 4, 1, True),
+                                                    (4, 1, 3, True)]:
         reqs = [Request(p, n, seed=100 + i, stop_token_ids=[3, 27, 43] if i % 2 else (), tag=i)
                 for i, (p, n) in enumerate(zip(prompts, caps))]
         got, stats = _continuous(m, reqs, batch, temperature=temperature, top_k=20, sync_every=sync_every,
-                                 refill_at=refill_at)
-        assert got == alone, (batch, sync_every, refill_at)
+                                 refill_at=refill_at, pipeline_harvest=pipelined)
+        assert got == alone, (batch, sync_every, refill_at, pipelined)
         assert stats["requests"] == 9 and stats["tokens"] == sum(len(t) for t, _ in alone)
+        if pipelined:
+            continue
         prefills[refill_at] = stats["prefills"]
         if (batch, refill_at) == (3, 1):
             # slots are refilled: fewer decode steps than fixed batches that wait for their longest row
@@ -586,8 +590,11 @@ def test_continuous_follow_ups_and_refusals(llama):
             return Request(r.prompt + toks + [5], 4, tag=r.tag + 10)
         return None
 
-    stats = generate_continuous(m, (Request([1, 2, 3], 4, tag=i) for i in range(3)), on_finish, batch_size=2)
-    assert sorted(seen) == [0, 1, 2, 10, 11, 12] and stats["requests"] == 6
+    for pipelined in (False, True):
+        seen.clear()
+        stats = generate_continuous(m, (Request([1, 2, 3], 4, tag=i) for i in range(3)), on_finish, batch_size=2,
+                                    pipeline_harvest=pipelined)
+        assert sorted(seen) == [0, 1, 2, 10, 11, 12] and stats["requests"] == 6
     with pytest.raises(ValueError, match="max_seq=160"):
         generate_continuous(m, [Request([1] * 150, 20)], lambda *a: None, batch_size=2)
     with pytest.raises(ValueError, match="batch_size 5"):
@@ -712,11 +719,11 @@ def test_continuous_batching_with_a_drafter_equals_one_at_a_time(llama, kind):
         alone.append((r.tokens[0], r.finish_reasons[0]))
         forwards.append(sum(1 for rec in r.records))
     d = drafter()
-    for batch, sync_every in [(3, 4), (4, 1)]:
+    for batch, sync_every, pipelined in [(3, 4, False), (4, 1, False), (3, 4, True)]:
         reqs = [Request(p, n, stop_token_ids=stops if i % 2 else (), tag=i) for i, (p, n) in enumerate(zip(prompts, caps))]
-        got, stats = _continuous(m, reqs, batch, sync_every=sync_every, drafter=d, k=3)
-        assert got == alone, (kind, batch)
-        assert [r.target_forwards for r in sorted(reqs, key=lambda r: r.tag)] == forwards, (kind, batch)
+        got, stats = _continuous(m, reqs, batch, sync_every=sync_every, drafter=d, k=3, pipeline_harvest=pipelined)
+        assert got == alone, (kind, batch, pipelined)
+        assert [r.target_forwards for r in sorted(reqs, key=lambda r: r.tag)] == forwards, (kind, batch, pipelined)
         decode = sum(len(t) - 1 for t, _ in alone)
         assert stats["decode_tokens"] == decode and stats["row_steps"] == sum(forwards)
         assert stats["tau"] == pytest.approx(decode / sum(forwards))
@@ -758,6 +765,8 @@ def test_sampled_continuous_batching_with_a_drafter_equals_one_at_a_time(llama, 
     for i, (p, n) in enumerate(zip(prompts, caps)):
         r = generate(m, [p], n, drafter=drafter(), k=3, rule=rule, seed=[100 + i], stop_token_ids=(), **kw)
         alone.append((r.tokens[0], r.finish_reasons[0]))
-    reqs = [Request(p, n, seed=100 + i, stop_token_ids=(), tag=i) for i, (p, n) in enumerate(zip(prompts, caps))]
-    got, _ = _continuous(m, reqs, 3, sync_every=2, drafter=drafter(), k=3, rule=rule, **kw)
-    assert got == alone
+    for pipelined in (False, True):
+        reqs = [Request(p, n, seed=100 + i, stop_token_ids=(), tag=i) for i, (p, n) in enumerate(zip(prompts, caps))]
+        got, _ = _continuous(m, reqs, 3, sync_every=2, drafter=drafter(), k=3, rule=rule, pipeline_harvest=pipelined,
+                             **kw)
+        assert got == alone, pipelined

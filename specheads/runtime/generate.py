@@ -701,12 +701,20 @@ class ContinuousGeneration(Generation):
     ``refill_at``: free slots wait until at least this many are free (or no row is left) before
     they are refilled. A prefill has a fixed cost (one eager forward through every layer, tens of
     ms on a GPU, against a few ms per graphed decode step), so refilling one slot at a time can
-    cost more than the idle slots it saves; outputs do not change."""
+    cost more than the idle slots it saves; outputs do not change.
+
+    ``pipeline_harvest`` (default: on a GPU): the harvest reads a snapshot of the rows taken one
+    block earlier, copied to pinned memory behind that block, while the device runs the next
+    block; so neither the read nor the admission's prefill (whose inputs go over pinned and
+    non-blocking) waits for the queue to drain. A finished row is seen one block late and its
+    slot refilled then: rows that are done stay inactive, and a step leaves inactive rows as they
+    were, so the late read sees what an immediate one would; outputs do not change. Off, every
+    harvest is a host read of the live state (one drain of the queue each time)."""
 
     def __init__(self, model: TargetModel, batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, use_cuda_graphs: bool = False, sync_every: int = 8,
                  prefill_tokens: int = 32768, refill_at: int = 1, *, drafter: Drafter | None = None, k: int = 3,
-                 rule: str | None = None):
+                 rule: str | None = None, pipeline_harvest: bool | None = None):
         B = batch_size or model.max_batch
         if not 1 <= B <= model.max_batch:
             raise ValueError(f"batch_size {B} must be in 1..engine max_batch {model.max_batch}")
@@ -728,6 +736,13 @@ class ContinuousGeneration(Generation):
                     histories=[[] for _ in range(B)])
         self.sync_every, self.prefill_tokens, self.refill_at = sync_every, prefill_tokens, min(refill_at, B)
         self.slot_req: list[Request | None] = [None] * B
+        self.pipeline_harvest = self.dev.type == "cuda" if pipeline_harvest is None else bool(pipeline_harvest)
+        # per slot, what the host knows of its request without a read: cache length before step
+        # known_t, tokens it may still emit then, first snapshot that shows this request
+        self.known_len, self.known_t, self.known_left = [0] * B, [0] * B, [0] * B
+        self.valid_from = [0] * B
+        self.n_snap = 0
+        self._snaps, self._snap_width = None, [0, 0]
         self.stats.update(requests=0, tokens=0, steps=0, prefills=0, syncs=0, decode_tokens=0, row_steps=0)
 
     # ---- the loop ------------------------------------------------------------------------
@@ -737,13 +752,41 @@ class ContinuousGeneration(Generation):
         is seen; the request it returns (a conversation's next turn) is served before the rest."""
         self.source, self.on_finish, self.followups = iter(requests), on_finish, deque()
         self._reset()
+        if self.pipeline_harvest:
+            return self._serve_pipelined()
         while True:
             live, longest, room = self._harvest()
             if self._admit(live):
                 continue                 # harvest again: a new row may have finished at its first token
             if not live:
                 return
-            self._decode(min(self.sync_every, room), longest)
+            self._decode(min(self.sync_every, room), longest - (self.t - 1) * self.reach)
+
+    def _serve_pipelined(self) -> None:
+        """``serve``'s loop with the harvest one block behind: launch a block of steps and a
+        snapshot behind it, then read the snapshot before it (the device runs the new block
+        meanwhile), hand out what finished there and admit into the freed slots. The width of
+        each step and the block's length come from what the host knows per slot (its last
+        snapshot, or its admission), as the synchronous loop's come from its read."""
+        B, pending = self.B, deque()       # snapshots recorded, not read: (number, step after them)
+        self._admit(0)
+        while True:
+            live = [b for b in range(B) if self.slot_req[b] is not None]
+            left = {b: self.known_left[b] - (self.t - self.known_t[b]) for b in live}
+            going = [b for b in live if left[b] > 0]     # the rest are done by now (length cap)
+            if going:
+                base = max(self.known_len[b] - (self.known_t[b] - 1) * self.reach for b in live)
+                self._decode(min(self.sync_every, min(left[b] for b in going)), base)
+            if going or (live and not pending):
+                pending.append(self._snapshot())
+            if not pending:
+                if self._admit(0):
+                    continue
+                return
+            if going and len(pending) < 2:
+                continue                 # keep a block in flight ahead of the snapshot read
+            self._harvest_snapshot(*pending.popleft())
+            self._admit(sum(r is not None for r in self.slot_req))
 
     def _reset(self) -> None:
         ws = self.ws
@@ -775,12 +818,12 @@ class ContinuousGeneration(Generation):
     def _graph_key(self):
         return super()._graph_key() + ("continuous",)     # its step counts row_steps too
 
-    def _decode(self, n: int, longest: int) -> None:
-        """``n`` steps without reading anything back; ``longest`` = the longest cache row now."""
-        known_step = self.t - 1
+    def _decode(self, n: int, base: int) -> None:
+        """``n`` steps without reading anything back; step t touches at most ``base + t * reach``
+        slots of any live row (a cache length known before some step, plus reach per step since)."""
         for _ in range(n):
             t = self.t
-            self.kv_len = self.ctx.kv_len = self._bucket(longest + (t - known_step) * self.reach)
+            self.kv_len = self.ctx.kv_len = self._bucket(base + t * self.reach)
             if self.Wu and (t + 1) % UNIFORM_CHUNK == 0:
                 self._refill()
             self._launch()
@@ -800,19 +843,71 @@ class ContinuousGeneration(Generation):
             lo, hi = min(plen[b] for b in done), max(hlen[b] for b in done)
             rows = ws.hist[torch.tensor(done, device=self.dev), lo:hi].tolist()
             for b, row in zip(done, rows):
-                req, self.slot_req[b] = self.slot_req[b], None
-                tokens = row[plen[b] - lo:hlen[b] - lo]
-                req.target_forwards = nsteps[b]
-                self.stats["tokens"] += len(tokens)
-                self.stats["decode_tokens"] += len(tokens) - 1
-                self.stats["row_steps"] += nsteps[b]
-                nxt = self.on_finish(req, tokens, "stop" if stopped[b] else "length")
-                if nxt is not None:
-                    self.followups.append(nxt)
+                self._finish(b, row[plen[b] - lo:hlen[b] - lo], bool(stopped[b]), nsteps[b])
         live = [b for b in range(B) if self.slot_req[b] is not None]
         longest = max((clen[b] for b in live), default=0)
         room = min((max_new[b] - (hlen[b] - plen[b]) for b in live), default=1)
         return len(live), longest, max(1, room)
+
+    def _finish(self, b: int, tokens: list[int], stopped: bool, row_steps: int) -> None:
+        """Slot b's request is done: its tokens to ``on_finish``, its slot free."""
+        req, self.slot_req[b] = self.slot_req[b], None
+        req.target_forwards = row_steps
+        self.stats["tokens"] += len(tokens)
+        self.stats["decode_tokens"] += len(tokens) - 1
+        self.stats["row_steps"] += row_steps
+        nxt = self.on_finish(req, tokens, "stop" if stopped else "length")
+        if nxt is not None:
+            self.followups.append(nxt)
+
+    def _snapshot(self) -> tuple[int, int]:
+        """Record the rows' state behind the queued steps: the status vectors and the token
+        history up to the longest a request may reach, into one of two pinned buffers, with an
+        event (no wait). Returns (its number, the step that runs next)."""
+        ws, B = self.ws, self.B
+        if self._snaps is None:
+            cuda = self.dev.type == "cuda"
+            self._snaps = [(torch.zeros(7, B, dtype=torch.long, pin_memory=cuda),
+                            torch.zeros(B * ws.hist.shape[1], dtype=torch.long, pin_memory=cuda),
+                            torch.cuda.Event() if cuda else None) for _ in range(2)]
+        vec, hist, ev = self._snaps[self.n_snap % 2]
+        W = min(ws.hist.shape[1], max((len(r.prompt) + r.max_new_tokens for r in self.slot_req if r is not None),
+                                      default=1))
+        cuda = self.dev.type == "cuda"
+        vec.copy_(torch.stack([ws.active.long(), ws.stopped.long(), ws.prompt_len, ws.hist_len,
+                               self.model.cache.lengths[:B], ws.max_new, ws.row_steps]), non_blocking=cuda)
+        hist[:B * W].view(B, W).copy_(ws.hist[:, :W], non_blocking=cuda)
+        if ev is not None:
+            ev.record()
+        self._snap_width[self.n_snap % 2] = W
+        self.n_snap += 1
+        return self.n_snap - 1, self.t
+
+    def _harvest_snapshot(self, n: int, t: int) -> None:
+        """Wait for snapshot ``n`` (taken before step ``t``) and hand out the rows done in it; a
+        slot admitted after it is not in it and keeps what the host knew at its admission."""
+        vec, hist, ev = self._snaps[n % 2]
+        if ev is not None:
+            ev.synchronize()
+        self.stats["syncs"] += 1
+        W = self._snap_width[n % 2]
+        act, stopped, plen, hlen, clen, max_new, nsteps = vec.tolist()
+        hist = hist[:self.B * W].view(self.B, W)
+        for b in range(self.B):
+            if self.slot_req[b] is None or self.valid_from[b] > n:
+                continue
+            self.known_len[b], self.known_t[b] = clen[b], t
+            self.known_left[b] = max_new[b] - (hlen[b] - plen[b])
+            if not act[b]:
+                self._finish(b, hist[b, plen[b]:hlen[b]].tolist(), bool(stopped[b]), nsteps[b])
+
+    def _h2d(self, x, dtype=torch.long) -> torch.Tensor:
+        """A host list or tensor on the device without draining the queue: on CUDA through pinned
+        memory, non-blocking (a copy from pageable memory waits for the queued steps)."""
+        t = torch.as_tensor(x, dtype=dtype)
+        if self.dev.type != "cuda":
+            return t.to(self.dev)
+        return t.pin_memory().to(self.dev, non_blocking=True)
 
     def _next(self) -> Request | None:
         r = self.followups.popleft() if self.followups else next(self.source, None)
@@ -858,11 +953,11 @@ class ContinuousGeneration(Generation):
         """The new prompts through the target into their cache slots (from position 0), their
         first tokens, and their rows of the workspace reset; the other rows are untouched."""
         m, dev, ws = self.model, self.dev, self.ws
-        rows = torch.tensor(slots, device=dev)
+        rows = self._h2d(slots)
         lens_l = [len(r.prompt) for r in reqs]
         T = max(lens_l)
-        lens = torch.tensor(lens_l, device=dev)
-        ids = _left_aligned([r.prompt for r in reqs], T).to(dev)
+        lens = self._h2d(lens_l)
+        ids = self._h2d(_left_aligned([r.prompt for r in reqs], T))
         m.cache.lengths[rows] = 0
         with prefill_attention(m):
             out = m(ids, logits_index=(lens - 1)[:, None], kv_len=T, rows=rows, aux_layer_ids=self.aux_ids,
@@ -871,13 +966,15 @@ class ContinuousGeneration(Generation):
         for b, r in zip(slots, reqs):
             self.gens[b] = torch.Generator().manual_seed(int(r.seed))
             self.slot_req[b] = r
+            self.known_len[b], self.known_t[b], self.known_left[b] = len(r.prompt), self.t, r.max_new_tokens - 1
+            self.valid_from[b] = self.n_snap
         u0 = self._join_uniforms(slots) if self.Wu else None
         first = self._pick(out.logits[:, 0], u0[:, self.n_draw] if u0 is not None else None)
-        max_new = torch.tensor([r.max_new_tokens for r in reqs], device=dev)
+        max_new = self._h2d([r.max_new_tokens for r in reqs])
         stops = torch.full((len(reqs), MAX_STOP_IDS), -1, dtype=torch.long)
         for i, r in enumerate(reqs):
             stops[i, :len(r.stop_token_ids)] = torch.tensor(r.stop_token_ids, dtype=torch.long)
-        stops = stops.to(dev)
+        stops = self._h2d(stops)
         hit = (first[:, None] == stops).any(1)
         ws.hist[rows, :T] = ids
         ws.hist[rows, lens] = first
@@ -904,8 +1001,8 @@ class ContinuousGeneration(Generation):
         rest = (UNIFORM_CHUNK - pos) % UNIFORM_CHUNK
         u = torch.stack([torch.rand(1 + rest, self.Wu, generator=self.gens[b]) for b in slots], 1)  # [1+rest, n, Wu]
         if rest:
-            self.ws.uchunk[pos:, torch.tensor(slots, device=self.dev)] = u[1:].to(self.dev)
-        return u[0].to(self.dev)
+            self.ws.uchunk[pos:, self._h2d(slots)] = self._h2d(u[1:], torch.float32)
+        return self._h2d(u[0], torch.float32)
 
 
 @torch.no_grad()
@@ -913,7 +1010,8 @@ def generate_continuous(model: TargetModel, requests: Iterable[Request],
                         on_finish: Callable[[Request, list[int], str], Request | None], *,
                         batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         use_cuda_graphs: bool = False, sync_every: int = 8, refill_at: int = 1,
-                        drafter: Drafter | None = None, k: int = 3, rule: str | None = None) -> dict:
+                        drafter: Drafter | None = None, k: int = 3, rule: str | None = None,
+                        pipeline_harvest: bool | None = None) -> dict:
     """Decoding with continuous batching (see ``ContinuousGeneration``), plain or with a chain
     ``drafter``; returns counts (requests, tokens, steps, prefills, host syncs, graph replays,
     decode tokens and the row-steps they took), ``tau`` (decode tokens per row-step: 1 when
@@ -922,7 +1020,8 @@ def generate_continuous(model: TargetModel, requests: Iterable[Request],
     Greedy outputs equal ``generate`` of each request alone, drafted or not; sampled ones (the
     request's ``seed``) too, up to the kernels' batch invariance."""
     gen = ContinuousGeneration(model, batch_size, temperature, top_k, top_p, use_cuda_graphs, sync_every,
-                               refill_at=refill_at, drafter=drafter, k=k, rule=rule)
+                               refill_at=refill_at, drafter=drafter, k=k, rule=rule,
+                               pipeline_harvest=pipeline_harvest)
     t0 = time.perf_counter()
     gen.serve(requests, on_finish)
     _sync(model.device)
