@@ -10,7 +10,9 @@
 # head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna; ABLATIONS=1 adds
 # TTT 1 and the EAGLE-1 and MTP heads on the same rows (the ABLATION_FRACTION share, 0.3; the trainer through
 # torch.compile is left out by default: on 2026-12-02 it had not reached its first step after ~4 min on the H200),
-# on held-back gsm8k; both start only within BUDGET_S seconds of the run's start. FRACTIONS and
+# on held-back gsm8k; both start only within BUDGET_S seconds of the run's start.
+# GPU_TESTS=1 runs the CUDA tests of the trainer and serving loop first; RUNTIME_DRAFTERS and SERVE_HARVEST pick
+# bench_runtime's drafters and harvests. FRACTIONS and
 # LRS override the sweep (FRACTIONS=1 LRS=2e-3: no sweep, one run; the default grid is centred on 2e-3, the
 # 2026-12-02 choice and the largest rate of its grid), COMPILE=1 and EXTRA_OV below.
 set -u
@@ -51,6 +53,10 @@ stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-400}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; return $rc; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/timeline.txt"
+# GPU_TESTS=1: the trainer's and the serving loop's CUDA paths first (side-stream batch prefetch, the
+# harvest one block behind), a few tiny runs; the pipeline goes on whatever they say (read the log)
+[ -n "${GPU_TESTS:-}" ] && LIMIT=240 stage gpu_tests python3 -m pytest -x -q -p no:cacheprovider tests/test_train.py \
+  tests/test_runtime_cuda.py -k "overfit_each_head or resume_equals or nan_stops or profile_steps or continuous_batching_graphs"
 # the training benchmark first: it needs nothing from the pipeline
 [ "${TRAIN_BENCH:-1}" = 0 ] || LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
   --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES --out "$OUT/bench_train.json"
@@ -78,7 +84,8 @@ print(s['final']['train_dir'], s['best_lr'])")
   # with per-step GPU time and the profile of one step at batch 1 (issue 14)
   LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines ${RUNTIME_ENGINES:-compiled} \
-    --drafters plain,ngram,head,hybrid,hybrid_fixed --repeat ${REPEAT:-3} --profile --serve ${SERVE:-152} \
+    --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid,hybrid_fixed} --repeat ${REPEAT:-3} --profile \
+    --serve ${SERVE:-152} --serve-harvest ${SERVE_HARVEST:-pipelined} \
     --out "$OUT/bench_runtime.json"
   if [ -n "${EXTRAS:-}" ] && in_budget; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
     LIMIT=150 stage eval_k5_t07_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
@@ -121,7 +128,7 @@ stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/ref
   --timeline "$OUT/timeline.txt"
 tail -n 20 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"
 # the small reports travel back; the dump and checkpoints stay
-tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep*/sweep.* $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl \
+tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep*/sweep.* $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl $RUN/sweep*/*/profile.txt \
   $RUN/sweep*/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json \
   $RUN/export/speculators/config.json $RUN/export/speculators/README.md 2>/dev/null
 log done

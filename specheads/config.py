@@ -193,8 +193,18 @@ class TrainConfig(_Section):
     # kernels; the first batches of new shapes compile. Not with ZeRO-3 (its parameter hooks).
     compile: bool = False
     num_workers: int = 0
+    # [first, last]: torch.profiler over these optimizer steps; the table (by device time) goes to
+    # {train.out}/profile.txt. Where a step's time goes, on the real feed, not a synthetic benchmark
+    profile_steps: tuple[int, int] | None = None
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     out: str | None = None  # default: {run_dir}/train
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _profile_window(cls, v):
+        if v is not None and not 1 <= v[0] <= v[1]:
+            raise ValueError(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {list(v)}")
+        return v
 
     @model_validator(mode="after")
     def _compile_not_zero3(self):

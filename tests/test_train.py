@@ -394,3 +394,19 @@ def test_head_fc_bias_from_the_recipe(target, vocab, tmp_path):
     r3 = recipe_from_dict({**r3.to_dict(), "head": {**r3.to_dict()["head"], "fc_bias": True}})
     with pytest.raises(HeadShapeError, match="EAGLE-3 heads have no fc bias"):
         build_head(r3, target, vocab)
+
+
+def test_profile_steps_write_the_operator_table(target, vocab, tmp_path):
+    """train.profile_steps: the profiler covers exactly the asked optimizer steps and its table
+    lands in the run directory; a window that is not [first <= last] is refused by name."""
+    r = make_recipe(tmp_path / "p", max_steps=6, profile_steps=[2, 4])
+    s = run_train(r, target=target, feed=SyntheticFeed(target), vocab=vocab, progress=False)
+    text = (tmp_path / "p" / "train" / "profile.txt").read_text()
+    assert s["profile"] == str(tmp_path / "p" / "train" / "profile.txt")
+    assert text.startswith("# torch.profiler, optimizer steps 2..4 (3 steps") and "aten::mm" in text
+    with pytest.raises(ValueError, match="train.profile_steps"):
+        make_recipe(tmp_path / "q", profile_steps=[3, 2])
+    # a window past the run's end closes with the run
+    s = run_train(make_recipe(tmp_path / "e", max_steps=3, profile_steps=[2, 9]), target=target,
+                  feed=SyntheticFeed(target), vocab=vocab, progress=False)
+    assert "optimizer steps 2..3 (2 steps" in Path(s["profile"]).read_text()

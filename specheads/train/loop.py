@@ -617,6 +617,43 @@ def _log_train(run: Run, step: int, epoch: int, win: Window, gn, lr: float, t_wi
     return s["loss"]
 
 
+class StepProfiler:
+    """``train.profile_steps`` [first, last]: torch.profiler over those optimizer steps on rank 0,
+    the operator table sorted by device time (host time on a CPU) written to
+    ``{train_dir}/profile.txt`` when the window closes (or the run ends inside it)."""
+
+    def __init__(self, window, device: torch.device, train_dir: Path, rank: int):
+        self.window = tuple(window) if window is not None and rank == 0 else None
+        self.device, self.path = device, Path(train_dir) / "profile.txt"
+        self.prof, self.first, self.t0, self.written = None, None, 0.0, None
+
+    def before(self, step: int) -> None:
+        """Optimizer step ``step + 1`` is about to run."""
+        if self.window is None or self.prof is not None or not self.window[0] <= step + 1 <= self.window[1]:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self.prof, self.first, self.t0 = profile(activities=acts), step + 1, time.time()
+        self.prof.__enter__()
+
+    def after(self, step: int, last: bool = False) -> None:
+        """Optimizer step ``step`` is done; ``last``: the run ends here."""
+        if self.prof is None or not (step >= self.window[1] or last):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.time() - self.t0
+        self.prof.__exit__(None, None, None)
+        n = step - self.first + 1
+        key = "device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(f"# torch.profiler, optimizer steps {self.first}..{step} ({n} steps, "
+                             f"{1000 * wall / n:.1f} ms/step wall with the profiler on), sorted by {key}\n"
+                             + self.prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+        self.prof, self.window, self.written = None, None, str(self.path)
+
+
 def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
     """Setup, resume, then optimizer steps (logging, eval and checkpoints on their schedules);
     a last eval, checkpoint and ``final/``. Returns the run's summary."""
@@ -643,11 +680,14 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
     run.engine.train()
     if resume_step is None:
         last_eval = run.evaluate(0)  # the untrained baseline
+    profiler = StepProfiler(tcfg.profile_steps, run.device, run.train_dir, run.rank)
     t_loop = time.time()  # tokens/s counts the training loop (as the progress bar does), not set-up
     try:
         while step < run.total:
+            profiler.before(step)
             gn, lr = _train_step(run, batches, win, step)
             step += 1
+            profiler.after(step, last=step == run.total)
             tokens_total += win.tokens
             if step % run.logger.every == 0 or step == run.total:
                 losses.append(_log_train(run, step, batches.epoch, win, gn, lr, t_window, pbar))
@@ -688,6 +728,7 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
         "tokens_per_s": tokens_total / max(1e-9, loop_s),
         "precision": run.precision, "world_size": run.world, "epochs_seen": batches.epoch + 1,
         "state_memory_gib": run.state_bytes / 2 ** 30 if run.state_bytes is not None else None,
+        "profile": profiler.written,
     }
 
 
