@@ -85,7 +85,7 @@ print(s['final']['train_dir'], s['best_lr'])")
   LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines ${RUNTIME_ENGINES:-compiled} \
     --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid,hybrid_fixed} --repeat ${REPEAT:-3} --profile \
-    --serve ${SERVE:-152} --serve-harvest ${SERVE_HARVEST:-pipelined} \
+    --serve ${SERVE:-152} --serve-harvest ${SERVE_HARVEST:-sync} \
     --out "$OUT/bench_runtime.json"
   if [ -n "${EXTRAS:-}" ] && in_budget; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
     LIMIT=150 stage eval_k5_t07_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
