@@ -30,7 +30,8 @@ FRACTIONS=${FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-1e-3,2e-3,4e-3}; BATCHES=1,8,48; N
 SHAPES=${SHAPES:-16x256,64x512,128x256,32x1024}; VL=80; GL=64; TRAIN_MODES=${TRAIN_MODES:-eager,compiled}
 # COMPILE=1: torch.compile the trainer's head step and eval's engine and head (not synthesis or
 # regeneration: their changing prefill shapes made the compiled engine 4-8x slower on 2026-12-01);
-# EXTRA_OV: more recipe overrides
+# EXTRA_OV: more recipe overrides. The compiled trainer wants fixed shapes: COMPILE=1 with
+# EXTRA_OV="train.length_buckets=[256,512,1024,2048]" pads every micro-batch to one of four (not yet timed)
 if [ -n "${COMPILE:-}" ]; then
   OV+=(train.compile=true eval.compile=true)
 fi

@@ -174,6 +174,10 @@ class TrainConfig(_Section):
     micro_batch_size: int = 1
     grad_accum: int = 1
     max_tokens_per_batch: int | None = Field(None, ge=1)  # micro-batch = rows up to this many padded tokens
+    # with max_tokens_per_batch: a micro-batch's length is rounded up to the smallest of these and its rows
+    # to max_tokens_per_batch // that length (filler rows count for nothing), so the head sees one shape
+    # per bucket and train.compile compiles each once instead of tracing a shape that changes every step
+    length_buckets: list[int] | None = None
     data_fraction: float = Field(1.0, gt=0.0, le=1.0)  # train on a fixed, nested subset of the train rows
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
@@ -205,6 +209,21 @@ class TrainConfig(_Section):
         if v is not None and not 1 <= v[0] <= v[1]:
             raise ValueError(f"train.profile_steps must be [first, last] with 1 <= first <= last, got {list(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _length_buckets(self):
+        b = self.length_buckets
+        if b is None:
+            return self
+        if self.max_tokens_per_batch is None:
+            raise ValueError("train.length_buckets needs train.max_tokens_per_batch (the token budget each bucket's "
+                             "row count is cut from)")
+        if not b or any(x < 1 for x in b) or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"train.length_buckets must be positive and increasing, got {b}")
+        if b[-1] > self.max_tokens_per_batch:
+            raise ValueError(f"train.length_buckets' largest, {b[-1]}, exceeds train.max_tokens_per_batch "
+                             f"{self.max_tokens_per_batch}: a batch of that length would hold no row")
+        return self
 
     @model_validator(mode="after")
     def _compile_not_zero3(self):

@@ -118,6 +118,49 @@ def test_compiled_objective_matches_eager(kind, target, vocab, tmp_path):
         make_recipe(tmp_path, kind, compile=True, zero_stage=3)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1", "mtp"])
+def test_filler_rows_and_positions_change_nothing(kind, target, vocab, tmp_path):
+    """train.length_buckets pads a batch to its bucket shape (pad_batch): zero filler rows and positions
+    leave the loss and the gradients as they were (no NaN from a row whose every key is masked); the
+    compiled step with static shapes gives the eager loss at two bucket shapes."""
+    import copy
+
+    from specheads.dump.feed import pad_batch
+    from specheads.train.losses import Objective, mtp_weights
+
+    r = make_recipe(tmp_path, kind)
+    built = build_head(r, target, vocab)
+    weights = mtp_weights(r.head, built.cfg.num_mtp_depths, 0.8) if kind == "mtp" else None
+    d2t = built.d2t if kind == "eagle3" else None
+    eager = Objective(built.head, kind, steps=3, mtp_weights=weights, backend="torch")
+    b = next(iter(SyntheticFeed(target, seq_len=24, batch_size=3)))
+    padded = pad_batch(b, 5, 32)
+    assert padded["input_ids"].shape == (5, 32) and padded["aux"].shape[:2] == (5, 32)
+    assert int(padded["attention_mask"].sum()) == int(b["attention_mask"].sum())
+    assert padded["row_ids"].tolist() == b["row_ids"].tolist() + [-1, -1]
+    grads, losses = [], []
+    for batch in (b, padded):
+        eager.zero_grad(set_to_none=True)
+        out = eager(batch, TargetLogits(target.lm_head.weight, d2t)(batch["final"]))
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append({n: p.grad.clone() for n, p in eager.head.named_parameters() if p.requires_grad})
+    assert torch.isfinite(losses[1])
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, atol=1e-5, rtol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
+    with pytest.raises(ValueError, match="does not fit the bucket shape"):
+        pad_batch(b, 2, 32)
+    if kind == "eagle3":  # one static compile per bucket shape, as the trainer runs it
+        torch._dynamo.reset()
+        static = Objective(copy.deepcopy(built.head), kind, steps=3, backend="torch", compile=True,
+                           static_shapes=True)
+        for rows, length in ((5, 32), (3, 48)):
+            pb = pad_batch(b, rows, length)
+            tv = TargetLogits(target.lm_head.weight, d2t)(pb["final"])
+            torch.testing.assert_close(static(pb, tv).loss, eager(pb, tv).loss, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- builder
 def test_builder_checks_and_lora(target, vocab, tmp_path):
     r = make_recipe(tmp_path)

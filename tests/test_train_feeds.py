@@ -117,6 +117,21 @@ def test_offline_and_online_training_on_token_budget_batches(tmp_path):
     assert np.isfinite(offline["final_loss"]) and offline["final_loss"] < offline["losses"][0]
     torch.testing.assert_close(torch.tensor(online["losses"]), torch.tensor(offline["losses"]), rtol=1e-4, atol=1e-5)
 
+    # length buckets: batches padded to two shapes with filler rows; it trains, and counts only real tokens
+    recipe.dump.mode = "offline"
+    t.length_buckets, recipe.train.out = [16, 32], str(tmp_path / "train_buckets")
+    feed = make_feed(recipe, target=tiny)
+    shapes = {feed.padded_shape(len(b), max(len(rows[i]["input_ids"]) for i in b)) for b in feed.batches()}
+    assert shapes <= {(6, 16), (3, 32)}
+    bucketed = run_train(recipe, target=tiny, progress=False)
+    assert bucketed["steps"] == 12 and np.isfinite(bucketed["final_loss"])
+    assert bucketed["final_loss"] < bucketed["losses"][0]
+    first = next(iter(make_feed(recipe, target=tiny)))
+    from specheads.train.run_log import read_metrics
+
+    step1 = next(m for m in read_metrics(bucketed["metrics"]) if m["split"] == "train")
+    assert step1["tokens"] == int(first["attention_mask"].sum())
+
 
 def test_data_fraction_subsets_are_nested():
     from specheads.dump.feed import subset_mask
@@ -125,3 +140,51 @@ def test_data_fraction_subsets_are_nested():
     small, mid, full = (set(ids[subset_mask(ids, f)].tolist()) for f in (0.1, 0.3, 1.0))
     assert small < mid < full and len(full) == 5000
     assert abs(len(small) / 5000 - 0.1) < 0.02 and abs(len(mid) / 5000 - 0.3) < 0.03
+
+
+def test_length_buckets_cut_by_the_bucket_and_give_few_shapes():
+    lens = _lengths(600, 2)
+    src = _Lengths(lens)
+    ids = np.arange(len(lens))
+    buckets = [64, 128, 256, 512, 1024]
+    feed = Feed(src, ids, 1, seed=3, max_tokens=4096, length_buckets=buckets)
+    plain = Feed(src, ids, 1, seed=3, max_tokens=4096)
+    batches = feed.global_batches(0)
+    assert sorted(i for b in batches for i in b) == ids.tolist()
+    shapes = set()
+    for b in batches:
+        longest = int(max(lens[b]))
+        L = next(x for x in buckets if x >= longest)
+        assert len(b) * L <= 4096
+        shapes.add(feed.padded_shape(len(b), longest))
+    # one shape per bucket, rows cut from the budget; without buckets a shape is the batch itself
+    assert shapes <= {(4096 // L, L) for L in buckets} and len(shapes) <= len(buckets)
+    assert plain.padded_shape(3, 77) == (3, 77)
+    assert len({plain.padded_shape(len(b), int(max(lens[b]))) for b in plain.global_batches(0)}) > 3 * len(shapes)
+    # the price: more padding than batches at their own longest row (still well under a half here)
+    assert plain.padding_fraction(0) < feed.padding_fraction(0) < 0.5
+    # the batch order depends on the buckets: a resume must have the same
+    state = feed.state_dict()
+    assert state["length_buckets"] == buckets
+    with pytest.raises(DumpError, match="length_buckets"):
+        plain.load_state_dict(state)
+    # a row longer than the largest bucket is named before any batch is cut
+    with pytest.raises(DumpError, match=r"1 rows are longer .* bucket 32 \(row 2: 300 tokens\)"):
+        Feed(_Lengths([10, 10, 300, 10]), np.arange(4), 1, max_tokens=512, length_buckets=[16, 32])
+    with pytest.raises(ValueError, match="token budget"):
+        Feed(_Lengths([10, 10]), np.arange(2), 1, length_buckets=[16, 32])
+
+
+def test_length_buckets_in_the_recipe_are_checked():
+    from specheads.config import recipe_from_dict
+
+    def recipe(**t):
+        return recipe_from_dict({"run_dir": "r", "train": t})
+
+    assert recipe(max_tokens_per_batch=4096, length_buckets=[256, 512]).train.length_buckets == [256, 512]
+    with pytest.raises(Exception, match="needs train.max_tokens_per_batch"):
+        recipe(length_buckets=[256, 512])
+    with pytest.raises(Exception, match="positive and increasing"):
+        recipe(max_tokens_per_batch=4096, length_buckets=[512, 256])
+    with pytest.raises(Exception, match="exceeds train.max_tokens_per_batch"):
+        recipe(max_tokens_per_batch=1024, length_buckets=[512, 2048])

@@ -24,6 +24,12 @@ rows into one long sequence, which with dense TTT attention costs O(budget²) pe
 for the masked-out cross-row scores. A row longer than the budget goes alone into its
 batch (counted in ``info["rows_over_budget"]``): ``data.max_length`` bounds it already.
 
+Length buckets (``recipe.train.length_buckets``, with a budget): a batch's padded length is the
+smallest bucket that holds its longest row, batches are cut by ``rows × bucket <= budget``, and
+``pad_batch`` fills each to ``budget // bucket`` rows with filler rows (attention and loss masks
+zero). The head then sees one shape per bucket, which a compiled step needs: traced with shapes that
+change every step it did not reach its first step in ~4 minutes on the H200 (2026-12-02).
+
 The eval holdout is a deterministic ``recipe.train.eval_fraction`` of rows chosen by a
 hash of the row index (independent of seed and of offline/online).
 """
@@ -40,6 +46,26 @@ from specheads.dump.online import OnlineFeed
 from specheads.dump.reader import DumpDataset, collate, open_manifest
 from specheads.dump.store import DumpError
 from specheads.layer_ids import resolve_aux_layer_ids
+
+
+def pad_batch(batch: dict, rows: int, length: int) -> dict:
+    """``batch`` grown to [rows, length]: every [B, T, ...] tensor padded with zeros (filler rows and
+    positions: attention and loss masks 0, so they count for nothing), a [B] ``row_index`` with -1."""
+    B, T = batch["input_ids"].shape
+    if (B, T) == (rows, length):
+        return batch
+    if B > rows or T > length:
+        raise ValueError(f"batch [{B}, {T}] does not fit the bucket shape [{rows}, {length}]")
+    out = {}
+    for k, v in batch.items():
+        if torch.is_tensor(v) and v.dim() >= 2 and tuple(v.shape[:2]) == (B, T):
+            new = v.new_zeros((rows, length, *v.shape[2:]))
+            new[:B, :T] = v
+            v = new
+        elif torch.is_tensor(v) and v.dim() == 1 and v.shape[0] == B:
+            v = torch.cat([v, v.new_full((rows - B,), -1)])
+        out[k] = v
+    return out
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -122,7 +148,7 @@ class Feed:
 
     def __init__(self, source, row_ids: np.ndarray, micro_batch_size: int, *, seed: int = 0, shuffle: bool = True,
                  rank: int = 0, world_size: int = 1, split: str = "train", info: dict | None = None,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, length_buckets: list[int] | None = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if max_tokens is not None and max_tokens < 1:
@@ -142,10 +168,33 @@ class Feed:
         self._lengths = source.lengths()[self.row_ids] if self.max_tokens is not None else None
         if self._lengths is not None:
             self.info["rows_over_budget"] = int((self._lengths > self.max_tokens).sum())
+        self.length_buckets = [int(b) for b in length_buckets] if length_buckets else None
+        if self.length_buckets is not None:
+            if self.max_tokens is None:
+                raise ValueError("length_buckets need a token budget (train.max_tokens_per_batch)")
+            over = np.flatnonzero(self._lengths > self.length_buckets[-1])
+            if len(over):
+                p = over[np.argmax(self._lengths[over])]
+                raise DumpError(f"{split} feed: {len(over)} rows are longer than train.length_buckets' largest "
+                                f"bucket {self.length_buckets[-1]} (row {int(self.row_ids[p])}: "
+                                f"{int(self._lengths[p])} tokens); add a larger bucket or lower data.max_length")
 
     @property
     def num_rows(self) -> int:
         return len(self.row_ids)
+
+    def _padded_length(self, longest: int) -> int:
+        if self.length_buckets is None:
+            return longest
+        return next(b for b in self.length_buckets if b >= longest)
+
+    def padded_shape(self, rows: int, longest: int) -> tuple[int, int]:
+        """The [rows, length] a batch of ``rows`` rows, the longest ``longest`` tokens, is computed at:
+        itself, or with length buckets the bucket's length and ``max_tokens // length`` rows."""
+        if self.length_buckets is None:
+            return rows, longest
+        length = self._padded_length(longest)
+        return max(rows, self.max_tokens // length), length
 
     def _budget_batches(self, order: np.ndarray, rng) -> list[list[int]]:
         """Cut ``order`` (positions into row_ids) into batches of at most max_tokens padded tokens."""
@@ -161,7 +210,7 @@ class Feed:
             longest = 0
             for p in chunk:
                 n = int(lens[p])
-                if cur and (len(cur) + 1) * max(longest, n) > self.max_tokens:
+                if cur and (len(cur) + 1) * self._padded_length(max(longest, n)) > self.max_tokens:
                     out.append(cur)
                     cur, longest = [], 0
                 cur.append(int(self.row_ids[p]))
@@ -199,14 +248,15 @@ class Feed:
         return (n - n % self.world_size) // self.world_size
 
     def padding_fraction(self, epoch: int = 0) -> float:
-        """Share of padded token slots in an epoch's batches (rows × longest row)."""
+        """Share of padded token slots in an epoch's batches (rows × longest row, or the bucket's shape)."""
         row_lengths = self._lengths if self._lengths is not None else self.source.lengths()[self.row_ids]
         lengths = dict(zip(self.row_ids.tolist(), row_lengths.tolist()))
         real = padded = 0
         for b in self.global_batches(epoch):
             ls = [lengths[i] for i in b]
             real += sum(ls)
-            padded += len(ls) * max(ls)
+            r, t = self.padded_shape(len(ls), max(ls))
+            padded += r * t
         return 1.0 - real / padded if padded else 0.0
 
     def set_epoch(self, epoch: int) -> None:
@@ -227,14 +277,15 @@ class Feed:
         return {"epoch": self.epoch, "position": self.position, "global_position": self.position * self.world_size,
                 "seed": self.seed, "split": self.split, "world_size": self.world_size,
                 "micro_batch_size": self.micro_batch_size, "max_tokens": self.max_tokens,
-                "num_rows": self.num_rows}
+                "length_buckets": self.length_buckets, "num_rows": self.num_rows}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved batch. A state saved with another world size continues at the same
         global batch: ``global_position`` (batches all ranks consumed) must divide by this world size,
         which holds when the global batch (ranks × grad_accum) is kept and the save fell on a step."""
         for key, mine in (("seed", self.seed), ("micro_batch_size", self.micro_batch_size),
-                          ("max_tokens", self.max_tokens), ("num_rows", self.num_rows), ("split", self.split)):
+                          ("max_tokens", self.max_tokens), ("length_buckets", self.length_buckets),
+                          ("num_rows", self.num_rows), ("split", self.split)):
             if key in state and state[key] != mine:
                 raise DumpError(
                     f"feed state was saved with {key}={state[key]!r}, this run has {mine!r}: the batch order "
@@ -310,4 +361,4 @@ def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_si
         ids = ids[subset_mask(ids, recipe.train.data_fraction)]
     return Feed(source, ids, recipe.train.micro_batch_size, seed=recipe.seed, shuffle=(split == "train"),
                 rank=rank, world_size=world_size, split=split, info=info,
-                max_tokens=recipe.train.max_tokens_per_batch)
+                max_tokens=recipe.train.max_tokens_per_batch, length_buckets=recipe.train.length_buckets)

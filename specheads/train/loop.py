@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from specheads.dump.feed import make_feed
+from specheads.dump.feed import make_feed, pad_batch
 from specheads.errors import SpecheadsError
 from specheads.export.trained import merged_state_dict
 from specheads.target import load_target_for
@@ -200,6 +200,16 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return out
 
 
+def _bucketed(batch: dict, feed) -> dict:
+    """The batch at the feed's bucket shape (``train.length_buckets``), else as it is. Real tokens are
+    counted before: filler rows and positions have attention mask 0."""
+    shape = getattr(feed, "padded_shape", None)
+    if shape is None:
+        return batch
+    B, T = batch["input_ids"].shape
+    return pad_batch(batch, *shape(B, T))
+
+
 def _row_ids(batch: dict):
     for k in ("row_index", "row_ids", "row_id", "ids", "index", "indices"):
         if k in batch:
@@ -355,8 +365,8 @@ class Run:
         win = Window(self.K, self.device)
         with torch.no_grad():
             for b in self.eval_feed:
-                b = _to_device(b, self.device)
                 check_batch(b, self.built, self.target_hidden)
+                b = _bucketed(_to_device(b, self.device), self.eval_feed)
                 win.add(self.engine(b, self.target_logits(b["final"])), int(b["attention_mask"].sum()))
         self.engine.train()
         if win.n == 0:
@@ -427,7 +437,7 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     weights = mtp_weights(recipe.head, cfg.num_mtp_depths, tcfg.loss_decay) if cfg.kind == "mtp" else None
     objective = Objective(built.head, cfg.kind, steps=tcfg.ttt_steps, decay=tcfg.loss_decay,
                           eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel,
-                          compile=tcfg.compile)
+                          compile=tcfg.compile, static_shapes=tcfg.length_buckets is not None)
     _, lm_w, lm_b = target_weights(target)
     target_logits = TargetLogits(lm_w, built.d2t if cfg.kind == "eagle3" else None, lm_b,
                                  tf32=precision == "bf16").to(device)
@@ -542,10 +552,10 @@ class DeviceBatches:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                data = _to_device(b, self.device)
+                data = _bucketed(_to_device(b, self.device), self.feed)
         else:
-            data = _to_device(b, self.device)
-        return MicroBatch(data, tokens, _row_ids(b), tuple(b["input_ids"].shape), self.batches.epoch)
+            data = _bucketed(_to_device(b, self.device), self.feed)
+        return MicroBatch(data, tokens, _row_ids(b), tuple(data["input_ids"].shape), self.batches.epoch)
 
     def next(self) -> MicroBatch:
         cur = self._pending if self._pending is not None else self._load()

@@ -282,7 +282,7 @@ class Objective(nn.Module):
 
     def __init__(self, head: nn.Module, kind: str, *, steps: int = 7, decay: float = 0.8,
                  eagle1_ce_weight: float = 0.1, mtp_weights: list[float] | None = None,
-                 backend: str = "auto", compile: bool = False):
+                 backend: str = "auto", compile: bool = False, static_shapes: bool = False):
         super().__init__()
         self.head = head
         self.kind = kind
@@ -294,8 +294,14 @@ class Objective(nn.Module):
         # Only the head's forward is compiled: the loss selects valid positions with nonzero()
         # (data-dependent shapes) and runs its own Triton soft-CE kernel, so it stays eager.
         forward = {"eagle3": ttt_forward, "eagle1": eagle1_forward, "mtp": mtp_forward}.get(kind)
-        # dynamic from the first batch: token-budget micro-batches change shape every step
-        self._forward = torch.compile(forward, dynamic=True) if compile and forward is not None else forward
+        # dynamic from the first batch: token-budget micro-batches change shape every step; with
+        # ``static_shapes`` (train.length_buckets) one graph per bucket shape, each compiled once
+        if compile and forward is not None and static_shapes:
+            cfg = torch._dynamo.config       # a graph per bucket (and eval's), past dynamo's default of 8
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+        self._forward = (torch.compile(forward, dynamic=not static_shapes) if compile and forward is not None
+                         else forward)
 
     @property
     def num_steps(self) -> int:
