@@ -50,9 +50,15 @@ T0=$(date +%s)
 in_budget() { local e=$(( $(date +%s) - T0 )); [ $e -lt ${BUDGET_S:-1260} ] && return 0
   log "skipped: ${e}s elapsed, over BUDGET_S=${BUDGET_S:-1260}"; return 1; }
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
+# the small reports so far, refreshed after every stage: a lent machine can go back at any call, and
+# $OUT is what one call brings back, so a run cut short keeps every stage it finished
+reports() { tar czf "$1" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep*/sweep.* \
+  $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl $RUN/sweep*/*/profile.txt $RUN/sweep*/*/*.png $RUN/data/*summary*.json \
+  $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json $RUN/export/speculators/config.json \
+  $RUN/export/speculators/README.md 2>/dev/null; }
 stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-400}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
-  log "end $name rc=$rc $(( $(date +%s) - t ))s"; return $rc; }
+  log "end $name rc=$rc $(( $(date +%s) - t ))s"; reports "$OUT/partial_reports.tar.gz"; return $rc; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/timeline.txt"
 # GPU_TESTS=1: the trainer's and the serving loop's CUDA paths first (side-stream batch prefetch, the
 # harvest one block behind), a few tiny runs; the pipeline goes on whatever they say (read the log)
@@ -129,7 +135,5 @@ stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/ref
   --timeline "$OUT/timeline.txt"
 tail -n 20 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"
 # the small reports travel back; the dump and checkpoints stay
-tar czf "$OUT/reference_run.tar.gz" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep*/sweep.* $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl $RUN/sweep*/*/profile.txt \
-  $RUN/sweep*/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json \
-  $RUN/export/speculators/config.json $RUN/export/speculators/README.md 2>/dev/null
+reports "$OUT/reference_run.tar.gz" && rm -f "$OUT/partial_reports.tar.gz"
 log done
