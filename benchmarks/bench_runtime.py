@@ -162,13 +162,19 @@ def serve_prompts(tok, source, n):
     return out
 
 
+def serve_stream(m, stream, B, new, **kw):
+    """``stream`` [(prompt ids, category)] through B slots with continuous batching, once: the counts,
+    each request's tokens in stream order, and the finished requests."""
+    got, reqs = {}, [Request(p, new, tag=i) for i, (p, _) in enumerate(stream)]
+    st = generate_continuous(m, reqs, lambda r, toks, why: got.__setitem__(r.tag, toks), batch_size=B, **kw)
+    return st, [got[i] for i in range(len(reqs))], reqs
+
+
 def bench_serving(m, stream, B, new, repeat=1, **kw):
-    """``stream`` [(prompt ids, category)] through B slots with continuous batching: one untimed run
-    (captures the step graphs of every width), then the best of ``repeat``."""
+    """``serve_stream``: one untimed run (captures the step graphs of every width), then the best of
+    ``repeat``."""
     def once():
-        got, reqs = {}, [Request(p, new, tag=i) for i, (p, _) in enumerate(stream)]
-        st = generate_continuous(m, reqs, lambda r, toks, why: got.__setitem__(r.tag, toks), batch_size=B, **kw)
-        return st, [got[i] for i in range(len(reqs))], reqs
+        return serve_stream(m, stream, B, new, **kw)
 
     once()
     best = None

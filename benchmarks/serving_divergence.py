@@ -25,20 +25,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runtime import ENGINE_PARTS, ENGINES, serve_prompts  # noqa: E402
+from bench_runtime import ENGINE_PARTS, ENGINES, serve_prompts, serve_stream  # noqa: E402
 
 from specheads.runtime.drafters import NGramDrafter  # noqa: E402
-from specheads.runtime.generate import Request, generate_continuous  # noqa: E402
 from specheads.runtime.model import TargetModel  # noqa: E402
 from specheads.target import load_target  # noqa: E402
 
 
 def serve(m, stream, slots, new, graphs, **kw):
-    got = {}
-    reqs = [Request(p, new, tag=i) for i, (p, _) in enumerate(stream)]
-    st = generate_continuous(m, reqs, lambda r, toks, why: got.__setitem__(r.tag, toks), batch_size=slots,
-                             use_cuda_graphs=graphs, refill_at=max(1, slots // 8), **kw)
-    return [got[i] for i in range(len(reqs))], st
+    """The tokens and counts of one pass, with bench_runtime's serving settings (refills gathered)."""
+    st, outputs, _ = serve_stream(m, stream, slots, new, use_cuda_graphs=graphs, refill_at=max(1, slots // 8), **kw)
+    return outputs, st
 
 
 def first_difference(a, b):
@@ -107,9 +104,12 @@ def main(argv=None):
                     kw.update(drafter=drafter, k=3)
                 outs, st = serve(m, stream, a.slots, a.new_tokens, graphs, **kw)
                 runs.append((f"{name} {harvest}", st, outs))
+        first = next(iter(alone_by_engine.values()))
         for label, st, outs in runs:
-            for ref_name, ref in (("alone, same engine", alone), ("alone, first engine", next(iter(alone_by_engine.values())))):
-                diff = margins(hf32, stream, ref, outs, a.device)
+            same = margins(hf32, stream, alone, outs, a.device)
+            # the first engine's two references are one list: its differences are scored once
+            to_first = same if first is alone else margins(hf32, stream, first, outs, a.device)
+            for ref_name, diff in (("alone, same engine", same), ("alone, first engine", to_first)):
                 scored = [d["margin"] for d in diff if "margin" in d]
                 row = {"engine": eng, "run": label, "against": ref_name, "tokens": sum(len(o) for o in outs),
                        "differing_requests": len(diff),

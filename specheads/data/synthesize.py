@@ -492,9 +492,7 @@ class _Writer:
         g = self.cfg
         generate_flows(self.engine, ((it, self._flow(it)) for it in items), on_item, on_tokens=self._count,
                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                       use_cuda_graphs=self.engine.device.type == "cuda", refill_at=g.refill_at,
-                       # bulk generation: the harvest one block behind, as regeneration's (runtime/chat.py)
-                       pipeline_harvest=self.engine.device.type == "cuda")
+                       use_cuda_graphs=self.engine.device.type == "cuda", refill_at=g.refill_at)
 
 
 def _max_seq(cfg, prefix_len: int, user_documents: bool, limit: int) -> int:

@@ -141,13 +141,10 @@ def _chat_continuous(engine, tokenizer, conversations, *, max_new_tokens, batch_
     eos = engine.args.eos_token_ids
     flows = ((i, _conversation(c, states[i], tokenizer, eos, max_prompt_tokens, max_new_tokens, seed))
              for i, c in enumerate(conversations))
-    # bulk generation through hundreds of slots reads its finished rows one block behind: on the H200 that
-    # ran regeneration at 76.9k tok/s against 65.4k with the live read (2026-12-03 against 12-02), where
-    # serving through 8-48 slots was faster with the live read (BENCHMARKS.md, eighth sitting)
     stats = generate_flows(engine, flows, lambda i: on_done(states[i]) if on_done is not None else None,
                            on_tokens=progress, batch_size=batch_size, temperature=temperature, top_k=top_k,
                            top_p=top_p, use_cuda_graphs=use_cuda_graphs, sync_every=sync_every,
-                           refill_at=refill_at, pipeline_harvest=engine.device.type == "cuda")
+                           refill_at=refill_at)
     return states, stats["seconds"]
 
 

@@ -713,7 +713,7 @@ class ContinuousGeneration(Generation):
     on the H200 (2026-12-03, compiled engine, CUDA graphs, 152 mixed requests) it was slower than the
     live read at 8 slots (3,545 vs 3,779 tok/s plain) and at 48 (16,348 vs 16,698): each row seen one
     block late costs steps (2,018 target steps against 1,946 at 8 slots) that the overlap does not repay.
-    Bulk generation through hundreds of slots turns it on (regeneration and synthesis on a GPU)."""
+    ``generate_flows`` (bulk generation through hundreds of slots) turns it on, on a GPU."""
 
     def __init__(self, model: TargetModel, batch_size: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, use_cuda_graphs: bool = False, sync_every: int = 8,
@@ -1041,7 +1041,12 @@ def generate_flows(model: TargetModel, flows: Iterable[tuple[Any, Generator]], o
     generator yields the ``Request`` of its next generation and is sent ``(tokens, finish reason)``
     back, so its next request is queued the moment the last one finishes. ``on_done(key)`` when a
     generator returns; ``on_tokens(n)`` per finished generation. ``kw`` go to
-    ``generate_continuous``, whose counts this returns."""
+    ``generate_continuous``, whose counts this returns; ``pipeline_harvest`` defaults to on a GPU
+    here. This is bulk generation (regeneration, synthesis) through hundreds of slots, and on the H200
+    regeneration ran at 76.9k tok/s with the harvest one block behind against 65.4k with the live
+    read (2026-12-03 against 12-02), where serving through 8-48 slots was faster with the live read
+    (BENCHMARKS.md, eighth sitting)."""
+    kw.setdefault("pipeline_harvest", model.device.type == "cuda")
 
     def advance(key, flow, send):
         try:
