@@ -88,10 +88,10 @@ print(s['final']['train_dir'], s['best_lr'])")
   stage eval_gsm8k $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
     eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
   # the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs,
-  # with per-step GPU time and the profile of one step at batch 1 (issue 14)
+  # with per-step GPU time and the profile of one step at batch 8, where verification costs most (issue 14)
   LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines ${RUNTIME_ENGINES:-compiled} \
-    --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid,hybrid_fixed} --repeat ${REPEAT:-3} --profile \
+    --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid,hybrid_fixed} --repeat ${REPEAT:-3} --profile --profile-batch ${PROFILE_BATCH:-8} \
     --serve ${SERVE:-152} --serve-harvest ${SERVE_HARVEST:-sync} \
     --out "$OUT/bench_runtime.json"
   if [ -n "${EXTRAS:-}" ] && in_budget; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree

@@ -242,7 +242,9 @@ def train_summary(s: dict) -> str:
     minutes = s["elapsed_s"] / 60
     lines = [f"trained {s['kind']} head: steps {s['start_step']} → {s['steps']} of {s['total_steps']}, "
              f"{s['tokens']:,} tokens at {s['tokens_per_s']:,.0f} tok/s ({s['train_loop_s'] / 60:.1f} min training, "
-             f"{minutes:.1f} min with set-up, evaluation and saving; {s['world_size']} process(es), {s['precision']})"]
+             f"{minutes:.1f} min with set-up, evaluation and saving; {s['world_size']} process(es), {s['precision']}"
+             + (f"; {100 * s['padding_fraction']:.1f}% of token slots padding" if s.get("padding_fraction") is not None
+                else "") + ")"]
     ev = s.get("eval") or {}
     if ev.get("loss") is not None:
         acc = " · ".join(f"{a:.2f}" for a in ev.get("step_acc", []))

@@ -68,3 +68,75 @@ def test_argmax_agreement_ties_lowest_index():
 def test_shape_mismatch_rejected():
     with pytest.raises(ValueError):
         kernels.soft_cross_entropy(torch.zeros(2, 4), torch.zeros(2, 5), backend="torch")
+
+
+@pytest.mark.parametrize("dtype, shift", [(torch.float32, 1), (torch.bfloat16, 3), (torch.float32, 0)])
+def test_shifted_matches_gathered_rows(dtype, shift):
+    """Position t of the draft against t + shift of the target, only where valid: the same numbers as
+    gathering those rows and calling the plain loss, a zero gradient elsewhere, -1 argmax elsewhere."""
+    g = torch.Generator().manual_seed(2)
+    B, T, V = 3, 7, 1100
+    d = (torch.randn(B, T, V, generator=g) * 3).to(dtype).to(DEVICE)
+    t = (torch.randn(B, T, V, generator=g) * 3).float().to(DEVICE)  # the trainer's target is fp32
+    d[1, 2, 5] = 60.0  # a known argmax, and a large logit for the online log-sum-exp
+    valid = torch.rand(B, T, generator=g).to(DEVICE) < 0.6
+    valid[1, 2] = True
+    valid[0, T - 1] = True  # t + shift outside the row (for shift >= 1): must not count
+    grad_out = torch.randn(B, T, generator=g).to(DEVICE)
+    counts = valid & (torch.arange(T, device=DEVICE) + shift < T)
+    b, p = counts.nonzero(as_tuple=True)
+    want = kernels.soft_cross_entropy(d[b, p].float(), t[b, p + shift], backend="torch")
+    for backend in ("triton", "torch"):
+        x = d.detach().clone().requires_grad_()
+        loss, am = kernels.soft_cross_entropy_shifted(x, t, valid, shift, backend=backend)
+        (grad,) = torch.autograd.grad(loss, x, grad_out)
+        assert loss.shape == (B, T) and loss.dtype == torch.float32 and am.dtype == torch.int64
+        assert grad.dtype == dtype and grad.shape == (B, T, V)
+        torch.testing.assert_close(loss[b, p], want, rtol=1e-5, atol=1e-5)
+        assert bool((loss[~counts] == 0).all()) and bool((am[~counts] == -1).all())
+        assert torch.equal(am[b, p], d[b, p].float().argmax(-1)) and int(am[1, 2]) == 5
+        assert bool((grad[~counts] == 0).all())
+        ref = (torch.softmax(d[b, p].float(), -1) - torch.softmax(t[b, p + shift], -1)) * grad_out[b, p, None]
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+        torch.testing.assert_close(grad[b, p].float(), ref.to(dtype).float(), **tol)
+
+
+def test_shifted_rejects_bad_arguments():
+    d, t = torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="bool"):
+        kernels.soft_cross_entropy_shifted(d, t, torch.ones(2, 3), 1, backend="torch")
+    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
+        kernels.soft_cross_entropy_shifted(d[0], t[0], torch.ones(3, dtype=torch.bool), 1, backend="torch")
+    with pytest.raises(ValueError, match="shift"):
+        kernels.soft_cross_entropy_shifted(d, t, torch.ones(2, 3, dtype=torch.bool), -1, backend="torch")
+
+
+def test_training_step_loss_same_on_both_backends():
+    """The trainer's per-step loss (distill_step): Triton reads rows in place, torch gathers them; same
+    loss, hits, count and gradient, with padding, masked and out-of-vocabulary positions."""
+    from specheads.train.losses import TargetView, distill_step
+
+    g = torch.Generator().manual_seed(3)
+    B, T, V = 2, 9, 300
+    tl = (torch.randn(B, T, V, generator=g) * 2).to(DEVICE)
+    am = tl.argmax(-1)
+    in_vocab = torch.rand(B, T, generator=g).to(DEVICE) < 0.8
+    in_vocab[0, 3] = True
+    tv = TargetView(tl, torch.where(in_vocab, am, -1), in_vocab)
+    loss_mask = (torch.rand(B, T, generator=g) < 0.7).long().to(DEVICE)
+    loss_mask[0, 4] = 1  # step 1 at t = 1 predicts x_4 from target row 3
+    attn = torch.ones(B, T, dtype=torch.long, device=DEVICE)
+    attn[1, 6:] = 0
+    logits = (torch.randn(B, T, V, generator=g) * 2).to(torch.bfloat16).to(DEVICE)
+    logits[0, 1] = tl[0, 3].to(torch.bfloat16)  # one certain hit at k = 1
+    for k in range(3):
+        out = {}
+        for backend in ("triton", "torch"):
+            x = logits.detach().clone().requires_grad_()
+            r = distill_step(x, tv, loss_mask, k, attn, backend=backend)
+            (grad,) = torch.autograd.grad(r.loss, x)
+            out[backend] = (r.loss.detach(), int(r.hits), int(r.count), grad)
+        (la, ha, ca, ga), (lb, hb, cb, gb) = out["triton"], out["torch"]
+        assert (ha, ca) == (hb, cb) and ca > 0 and (k != 1 or ha >= 1)
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ga.float(), gb.float(), rtol=1.6e-2, atol=1e-6)

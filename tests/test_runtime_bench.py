@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +31,7 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     res = _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--new-tokens", "6",
                          "--head", str(tmp_path / "head"), "--min-match", "2", "--out", str(out), "--profile-all",
-                         "--serve", "10", "--serve-harvest", "pipelined,sync"])
+                         "--profile-batch", "2", "--serve", "10", "--serve-harvest", "pipelined,sync"])
     text = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["drafter"].split(" ")[0]) for r in rows] == [
@@ -62,6 +63,10 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     assert res["attention"] == "torch"                                                 # SDPA on a CPU
     assert (tmp_path / "bench.png").stat().st_size > 1000
     assert res["profile"]["plain"]["eager_ms_per_step"] > 0
+    assert res["profile_batch"] == 2 and "Profile: one plain decode step, batch 2" in text
+    with pytest.raises(SystemExit):  # a profile batch that was not benchmarked: refused before anything runs
+        _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--profile",
+                       "--profile-batch", "4"])
 
 
 def _divergence():

@@ -125,6 +125,9 @@ def test_offline_and_online_training_on_token_budget_batches(tmp_path):
     assert shapes <= {(6, 16), (3, 32)}
     bucketed = run_train(recipe, target=tiny, progress=False)
     assert bucketed["steps"] == 12 and np.isfinite(bucketed["final_loss"])
+    # the summary reports the padding the buckets cost (more than batches cut at their own longest row)
+    assert bucketed["padding_fraction"] == pytest.approx(feed.padding_fraction(0))
+    assert 0 <= offline["padding_fraction"] < bucketed["padding_fraction"] < 1
     assert bucketed["final_loss"] < bucketed["losses"][0]
     first = next(iter(make_feed(recipe, target=tiny)))
     from specheads.train.run_log import read_metrics

@@ -32,7 +32,8 @@ from ._common import GREEDY_EPS, TreeVerifyOutput, VerifyOutput, attention_suppo
 __all__ = [
     "VerifyOutput", "TreeVerifyOutput", "GREEDY_EPS", "triton_available", "resolve_backend",
     "target_probs", "greedy_verify", "rejection_verify", "onehot_verify", "tree_verify",
-    "soft_cross_entropy", "soft_cross_entropy_and_accuracy", "decode_attention", "attention_supported",
+    "soft_cross_entropy", "soft_cross_entropy_and_accuracy", "soft_cross_entropy_shifted",
+    "decode_attention", "attention_supported",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -151,6 +152,16 @@ def soft_cross_entropy_and_accuracy(draft_logits: torch.Tensor, target_logits: t
     """(loss float32 [...], agree bool [...]) where agree = argmax(draft) == argmax(target),
     lowest index on ties."""
     return _impl("soft_ce", backend, draft_logits).soft_cross_entropy_and_accuracy(draft_logits, target_logits)
+
+
+def soft_cross_entropy_shifted(draft_logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor,
+                               shift: int, *, backend: str = "auto"):
+    """A training step's soft-CE: draft position t [B, T, V] against target position ``t + shift``, at the
+    ``valid`` [B, T] positions (bool; a position whose ``t + shift`` falls outside the row does not count).
+    Returns (loss float32 [B, T], 0 elsewhere; draft_argmax int64 [B, T], -1 elsewhere); differentiable
+    w.r.t. draft_logits only, with a zero gradient at the positions that do not count."""
+    return _impl("soft_ce", backend, draft_logits).soft_cross_entropy_shifted(draft_logits, target_logits, valid,
+                                                                             shift)
 
 
 # ---------------------------------------------------------------------------- decode attention

@@ -155,6 +155,15 @@ def check_soft_ce(draft_logits, target_logits):
     _need(draft_logits.device == target_logits.device, "draft and target logits on different devices")
 
 
+def check_soft_ce_shifted(draft_logits, target_logits, valid, shift):
+    check_soft_ce(draft_logits, target_logits)
+    _need(draft_logits.dim() == 3, f"shifted soft-CE takes [B, T, V] logits, got {tuple(draft_logits.shape)}")
+    _need(tuple(valid.shape) == tuple(draft_logits.shape[:2]) and valid.dtype == torch.bool,
+          f"valid must be a bool [B, T] = {tuple(draft_logits.shape[:2])} mask, got {valid.dtype} {tuple(valid.shape)}")
+    _need(valid.device == draft_logits.device, "valid mask on another device than the logits")
+    _need(isinstance(shift, int) and shift >= 0, f"shift must be an int >= 0, got {shift!r}")
+
+
 #: most query rows (G query heads per KV head x T new tokens) the decode attention kernel holds
 ATTENTION_MAX_ROWS = 64
 

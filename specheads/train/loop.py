@@ -739,6 +739,9 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
         "precision": run.precision, "world_size": run.world, "epochs_seen": batches.epoch + 1,
         "state_memory_gib": run.state_bytes / 2 ** 30 if run.state_bytes is not None else None,
         "profile": profiler.written,
+        # token-budget feeds: padded token slots the step computes and throws away (rows × longest row, or the
+        # bucket's shape); a feed of fixed row counts may come from a store that does not list its row lengths
+        "padding_fraction": run.feed.padding_fraction(0) if getattr(run.feed, "max_tokens", None) else None,
     }
 
 

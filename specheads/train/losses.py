@@ -43,7 +43,7 @@ from torch import nn
 
 from specheads.heads.layers import causal_mask
 from specheads.heads.ttt import ttt_forward
-from specheads.kernels import soft_cross_entropy
+from specheads.kernels import soft_cross_entropy_shifted
 
 
 # ---------------------------------------------------------------- target side (frozen)
@@ -176,19 +176,18 @@ class StepResult:
 
 def distill_step(logits: torch.Tensor, tv: TargetView, loss_mask: torch.Tensor, k: int,
                  attention_mask: torch.Tensor | None = None, backend: str = "auto") -> StepResult:
-    """Soft-CE of step-k logits [B, T, V'] against the target distribution (alignment in the module doc)."""
-    valid = counted_positions(loss_mask, tv.in_vocab, k, attention_mask)
-    b, t = valid.nonzero(as_tuple=True)
-    count = torch.as_tensor(b.numel(), device=logits.device)
-    if b.numel() == 0:
-        zero = logits.sum() * 0.0
-        return StepResult(zero, torch.zeros((), dtype=torch.int64, device=logits.device), count)
-    dl = logits[b, t]
-    tl = tv.logits[b, t + 1 + k]
-    ce = soft_cross_entropy(dl, tl.to(dl.device), backend=backend)
-    loss = ce.float().sum() / b.numel()
+    """Soft-CE of step-k logits [B, T, V'] against the target distribution (alignment in the module doc).
+
+    The loss kernel reads draft row t and target row t+1+k in place at the counted positions: no
+    gathered copies, and no ``nonzero`` (a host sync) per step."""
+    valid = counted_positions(loss_mask, tv.in_vocab, k, attention_mask).to(logits.device)
+    count = valid.sum()
+    ce, draft_argmax = soft_cross_entropy_shifted(logits, tv.logits.to(logits.device), valid, 1 + k,
+                                                  backend=backend)
+    loss = ce.sum() / count.clamp(min=1)
     with torch.no_grad():
-        hits = (dl.argmax(-1) == tv.argmax[b, t + 1 + k].to(dl.device)).sum()
+        want = shift_left(tv.argmax.to(logits.device), 1 + k, -1)
+        hits = ((draft_argmax == want) & valid).sum()
     return StepResult(loss, hits, count)
 
 
