@@ -53,9 +53,10 @@ def soft_cross_entropy_shifted(draft_logits: torch.Tensor, target_logits: torch.
     B, T, _ = draft_logits.shape
     valid = valid & (torch.arange(T, device=valid.device) + shift < T)
     b, t = valid.nonzero(as_tuple=True)
-    rows = soft_cross_entropy(draft_logits[b, t], target_logits[b, t + shift])
+    draft_rows = draft_logits[b, t]
+    rows = soft_cross_entropy(draft_rows, target_logits[b, t + shift])
     loss = torch.zeros((B, T), dtype=torch.float32, device=draft_logits.device).index_put((b, t), rows)
     with torch.no_grad():
         draft_argmax = torch.full((B, T), -1, dtype=torch.int64, device=draft_logits.device)
-        draft_argmax[b, t] = _argmax_lowest(draft_logits[b, t].detach().float())
+        draft_argmax[b, t] = _argmax_lowest(draft_rows.detach().float())
     return loss, draft_argmax
