@@ -247,6 +247,25 @@ def load_head(path, tgt, m):
     return drafter_for_head(head, name=Path(path).name, target_vocab_size=m.args.vocab_size)
 
 
+def random_head(tgt, m, draft_vocab: int = 32000):
+    """An untrained EAGLE-3 head for the target (its embedding and the lm_head rows of the first ``draft_vocab``
+    ids, the default aux layers): what a drafted step costs does not depend on what the head learned."""
+    from specheads.heads import HeadConfig, build_head
+    from specheads.layer_ids import default_eagle3_layer_ids
+    cfg = tgt.model.config
+    vd = min(draft_vocab, cfg.vocab_size)
+    # the EAGLE-3 default layers ([2, 15, 27] for SmolLM2), without repeats on a target of a few layers
+    aux = sorted(set(default_eagle3_layer_ids(cfg.num_hidden_layers)))
+    hc = HeadConfig.from_target_config(cfg, "eagle3", draft_vocab_size=vd, aux_layer_ids=aux)
+    torch.manual_seed(0)
+    head = build_head(hc)
+    head.init_from_target(tgt.model.get_input_embeddings().weight.detach().float().cpu(),
+                          tgt.model.get_output_embeddings().weight.detach().float().cpu(),
+                          d2t=torch.zeros(vd, dtype=torch.long) if vd < cfg.vocab_size else None)
+    head = head.to(device=m.device, dtype=m.dtype).eval()
+    return drafter_for_head(head, name="random eagle3", target_vocab_size=m.args.vocab_size)
+
+
 class RecompileLimitHits(logging.Handler):
     """Counts dynamo's "hit config.recompile_limit" warnings: past that limit a compiled function runs
     new shapes eagerly, and a compiled row then silently measures eager code."""
@@ -447,7 +466,12 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true",
                     help="SmolLM2-135M architecture with random weights and random prompts (no GGUF needed; "
                          "speed only; acceptance figures are meaningless)")
+    ap.add_argument("--random-head", action="store_true",
+                    help="an untrained EAGLE-3 head for the head and hybrid rows instead of --head (step costs only: "
+                         "with --random-weights, the batch-8 verify A/B of 2026-12-03 needs no file at all)")
     a = ap.parse_args(argv)
+    if a.head and a.random_head:
+        ap.error("--head and --random-head: pick one")
     dev = torch.device(a.device)
     dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     batches = [int(b) for b in a.batches.split(",")]
@@ -482,7 +506,7 @@ def main(argv=None):
     engines = {}                                  # name -> (engine, [(drafter name, factory)])
     for eng in engine_names:
         m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
-        head = load_head(a.head, tgt, m) if a.head else None
+        head = load_head(a.head, tgt, m) if a.head else random_head(tgt, m) if a.random_head else None
         units = DRAFTER_UNITS.get(eng, True)
         if ENGINES[eng] is not None:
             m.compile_layers(**ENGINE_PARTS.get(eng, {}), **ENGINES[eng])
@@ -509,7 +533,8 @@ def main(argv=None):
                                      hybrid))
         engines[eng] = (m, drafters)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k, "head": a.head,
+           "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k,
+           "head": a.head or ("random (untrained)" if a.random_head else None),
            "min_match": a.min_match, "torch": torch.__version__, "engines": engine_names, "rows": [], "hf": {},
            # decode attention: "triton" (kernels.decode_attention) or "torch" (SDPA; SPECHEADS_KERNELS=torch)
            "attention": next(iter(engines.values()))[0].layers[0].attn_backend}

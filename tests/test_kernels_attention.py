@@ -129,3 +129,56 @@ def test_head_drafting_on_the_kernel(monkeypatch):
     d = Eagle3Drafter(head).compile()
     r = generate(m, PROMPTS, 12, drafter=d, k=3, stop_token_ids=())
     assert r.tokens == got["torch"][0] and [s.num_accepted for s in r.records] == got["torch"][1]
+
+
+# ---------------------------------------------------------------------------- KV-cache write
+def _write_case(B, T, KvH, D, S, NB, rows, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, 9 + 2 * KvH, D, generator=g).to(dtype)
+    k = qkv[:, :, 9:9 + KvH].transpose(1, 2)                   # [B, KvH, T, D] views of one buffer, as in a layer
+    v = qkv[:, :, 9 + KvH:].transpose(1, 2)
+    kc = torch.randn(NB, KvH, S, D, generator=g).to(dtype)
+    vc = torch.randn(NB, KvH, S, D, generator=g).to(dtype)
+    start = torch.randint(0, S - T + 1, (B,), generator=g)
+    wp = start[:, None] + torch.randperm(T, generator=g)[None]  # distinct slots per row, in any order
+    r = torch.randperm(NB, generator=g)[:B] if rows else None
+    return [x.to(DEVICE) if torch.is_tensor(x) else x for x in (kc, vc, k, v, wp, r)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,KvH,D,S,NB,rows", [
+    (1, 1, 3, 64, 48, 1, False),      # SmolLM2, one decode token
+    (8, 4, 3, 64, 200, 8, False),     # a chain verification at batch 8 (k = 3)
+    (3, 4, 3, 64, 70, 5, True),       # rows anywhere in the cache (continuous batching)
+    (2, 16, 8, 128, 40, 3, False),    # Llama-8B's KV heads and head dim, a 16-node tree
+    (2, 5, 5, 48, 32, 2, True),       # KvH and D not powers of two
+])
+def test_kv_cache_write_matches_reference(dtype, B, T, KvH, D, S, NB, rows):
+    kc, vc, k, v, wp, r = _write_case(B, T, KvH, D, S, NB, rows, dtype)
+    want = [kc.clone(), vc.clone()]
+    attention_ref.kv_cache_write(*want, k, v, wp, r)
+    kernels.kv_cache_write(kc, vc, k, v, wp, r, backend="triton")
+    assert torch.equal(kc, want[0]) and torch.equal(vc, want[1])      # a copy: bit for bit
+    rr = torch.arange(B, device=kc.device) if r is None else r
+    for b in range(B):                                                 # and the contract itself
+        for t in range(T):
+            assert torch.equal(kc[rr[b], :, wp[b, t]], k[b, :, t]) and torch.equal(vc[rr[b], :, wp[b, t]], v[b, :, t])
+    untouched = torch.ones(NB, S, dtype=torch.bool, device=kc.device)
+    untouched[rr[:, None], wp] = False
+    fresh = _write_case(B, T, KvH, D, S, NB, rows, dtype)             # the same seed: the caches before the write
+    assert torch.equal(kc.permute(0, 2, 1, 3)[untouched], fresh[0].permute(0, 2, 1, 3)[untouched])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kv_cache_write_bad_arguments(backend):
+    kc, vc, k, v, wp, r = _write_case(2, 4, 3, 64, 40, 2, False, torch.float32)
+    with pytest.raises(ValueError, match="dtypes"):
+        kernels.kv_cache_write(kc, vc, k.to(torch.bfloat16), v, wp, backend=backend)
+    with pytest.raises(ValueError, match="write_pos"):
+        kernels.kv_cache_write(kc, vc, k, v, wp[:, :2], backend=backend)
+    with pytest.raises(ValueError, match="caches"):
+        kernels.kv_cache_write(kc[:, :2], vc[:, :2], k, v, wp, backend=backend)
+    with pytest.raises(ValueError, match="batch 2 > cache rows 1"):
+        kernels.kv_cache_write(kc[:1], vc[:1], k, v, wp, backend=backend)
+    with pytest.raises(ValueError, match="rows"):
+        kernels.kv_cache_write(kc, vc, k, v, wp, torch.zeros(3, dtype=torch.long, device=kc.device), backend=backend)

@@ -107,3 +107,17 @@ def test_serving_divergence_fp32_serving_equals_alone_and_scores_a_flip(tiny_tar
     assert len(rows) == 1 and rows[0]["position"] == 2 and rows[0]["served_token"] == second
     assert abs(rows[0]["margin"] - (logits[ref[2]] - logits[second]).item()) < 1e-4
     assert rows[0]["margin"] >= 0 and abs(rows[0]["margin"] - rows[0]["top2_gap"]) < 1e-4
+
+
+def test_bench_runtime_random_head(tiny_target_dir, tmp_path):
+    """--random-head: an untrained EAGLE-3 head built for the target (no exported file), drafting losslessly."""
+    out = tmp_path / "bench.json"
+    _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--new-tokens", "5",
+                   "--random-head", "--drafters", "head,hybrid", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["head"] == "random (untrained)"
+    assert [(r["batch"], r["drafter"].split(" ")[0]) for r in res["rows"]] == [
+        (b, d) for b in (1, 2) for d in ("plain", "head", "hybrid")]
+    assert all(r["lossless"] is True and r["tokens"] == 5 * r["batch"] for r in res["rows"])
+    with pytest.raises(SystemExit):
+        _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--head", "x", "--random-head"])

@@ -1,4 +1,4 @@
-"""Verification, sampling, loss and decode-attention kernels: Triton kernels beside PyTorch twins.
+"""Verification, sampling, loss, decode-attention and KV-cache-write kernels: Triton kernels beside PyTorch twins.
 
 Each public function dispatches on ``backend``:
 
@@ -33,7 +33,7 @@ __all__ = [
     "VerifyOutput", "TreeVerifyOutput", "GREEDY_EPS", "triton_available", "resolve_backend",
     "target_probs", "greedy_verify", "rejection_verify", "onehot_verify", "tree_verify",
     "soft_cross_entropy", "soft_cross_entropy_and_accuracy", "soft_cross_entropy_shifted",
-    "decode_attention", "attention_supported",
+    "decode_attention", "attention_supported", "kv_cache_write",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -196,3 +196,35 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def _(q, k_cache, v_cache, mask, kv_len, rows):
     B, T, H, D = q.shape
     return q.new_empty(B, T, H * D)
+
+
+# ---------------------------------------------------------------------------- KV-cache write
+def kv_cache_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   write_pos: torch.Tensor, rows: torch.Tensor | None = None, *, backend: str = "auto") -> None:
+    """In place: the new tokens' K/V ``k`` / ``v`` [B, KvH, T, D] go to slots ``write_pos`` [B, T] of cache
+    rows ``rows`` [B] (None: the first B) of one layer's ``k_cache`` / ``v_cache`` [max_batch, KvH, slots, D]
+    (see ``attention_ref``). Under ``torch.compile`` the kernel is the custom op ``specheads::kv_cache_write``
+    (mutating the caches; Inductor neither copies nor fuses them); pass ``backend`` resolved, as
+    ``decode_attention``."""
+    if resolve_backend(backend, k) == "triton":
+        if torch.compiler.is_compiling():
+            torch.ops.specheads.kv_cache_write(k_cache, v_cache, k, v, write_pos, rows)
+            return
+        from . import attention_triton
+
+        attention_triton.kv_cache_write(k_cache, v_cache, k, v, write_pos, rows)
+        return
+    attention_ref.kv_cache_write(k_cache, v_cache, k, v, write_pos, rows)
+
+
+@torch.library.custom_op("specheads::kv_cache_write", mutates_args=("k_cache", "v_cache"))
+def _kv_cache_write_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       write_pos: torch.Tensor, rows: torch.Tensor | None) -> None:
+    from . import attention_triton
+
+    attention_triton.kv_cache_write(k_cache, v_cache, k, v, write_pos, rows)
+
+
+@_kv_cache_write_op.register_fake
+def _(k_cache, v_cache, k, v, write_pos, rows):
+    return None

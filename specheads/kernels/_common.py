@@ -165,6 +165,28 @@ def check_soft_ce_shifted(draft_logits, target_logits, valid, shift):
 
 
 #: most query rows (G query heads per KV head x T new tokens) the decode attention kernel holds
+def check_kv_cache_write(k_cache, v_cache, k, v, write_pos, rows=None):
+    """Validate ``kv_cache_write`` arguments; return (B, KvH, T, D). Traced by torch.compile on a CPU
+    engine: each message is formatted only on failure (formatting a symbolic size specialises it)."""
+    if not (k.dim() == 4 and k.shape == v.shape):
+        raise ValueError(f"k and v must be one [B, KvH, T, D] shape, got {tuple(k.shape)}, {tuple(v.shape)}")
+    B, KvH, T, D = k.shape
+    if not (k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.shape[1] == KvH
+            and k_cache.shape[3] == D):
+        raise ValueError(f"caches must be one [max_batch, {KvH}, slots, {D}] shape, got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+    if not (k.dtype == k_cache.dtype and v.dtype == v_cache.dtype):
+        raise ValueError(f"k / v dtypes {k.dtype} / {v.dtype} must be the caches' ({k_cache.dtype} / {v_cache.dtype})")
+    if not (write_pos.dim() == 2 and write_pos.shape[0] == B and write_pos.shape[1] == T
+            and write_pos.dtype == torch.long):
+        raise ValueError(f"write_pos must be int64 [B, T] = [{B}, {T}], got {write_pos.dtype} {tuple(write_pos.shape)}")
+    if rows is not None and not (rows.dim() == 1 and rows.shape[0] == B and rows.dtype == torch.long):
+        raise ValueError(f"rows must be int64 [B] = [{B}], got {rows.dtype} {tuple(rows.shape)}")
+    if rows is None and B > k_cache.shape[0]:
+        raise ValueError(f"batch {B} > cache rows {k_cache.shape[0]}")
+    return B, KvH, T, D
+
+
 ATTENTION_MAX_ROWS = 64
 
 

@@ -47,7 +47,7 @@ from specheads import kernels
 from specheads.errors import SpecheadsError
 from specheads.heads.layers import fuse_projections
 
-from .model import TargetModel, additive_mask, allow_recompiles, build_attn_mask, kv_write_index, round_up
+from .model import TargetModel, additive_mask, allow_recompiles, build_attn_mask, round_up
 from .tree import DraftTree, Expansion, TreeConfig, build_dynamic_tree
 from .verify import sample_inverse_cdf, target_probs
 
@@ -301,7 +301,7 @@ class DraftCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_seq = max_seq
-        self.write_pos = self.mask = self.index = self.kernel_mask = self.rows = None
+        self.write_pos = self.mask = self.kernel_mask = self.rows = None
         self.kv_len = self.slots
         # the engine's decode attention kernel on a GPU (as in the target's layers), SDPA on a CPU
         self.attn_backend = kernels.resolve_backend("auto", self.lengths)
@@ -313,7 +313,6 @@ class DraftCache:
         and ``rows`` [B] the cache row of each batch row (None: the first B; continuous batching
         admits new requests into freed rows this way)."""
         self.write_pos, self.mask, self.kv_len, self.rows = write_pos.clamp(max=self.max_seq - 1), mask, kv_len, rows
-        self.index = kv_write_index(self.write_pos, self.k[0].shape[1], rows)  # one for every layer of the call
         self.kernel_mask = None
         if self.attn_backend == "triton":
             self.kernel_mask = additive_mask(mask, self.k[0].dtype, groups)
@@ -323,8 +322,7 @@ class DraftCache:
         B, H, T, D = q.shape
         KvH = k.shape[1]
         K, V = self.k[layer_idx], self.v[layer_idx]
-        K.index_put_(self.index, k.to(K.dtype))
-        V.index_put_(self.index, v.to(V.dtype))
+        kernels.kv_cache_write(K, V, k.to(K.dtype), v.to(V.dtype), self.write_pos, self.rows, backend=self.attn_backend)
         scale = getattr(attn_module, "scale", None)
         # kernels.decode_attention runs its reference where the kernel does not take the shape
         if (self.kernel_mask is not None and self.kernel_mask.shape[2] == T * (H // KvH) and q.dtype == K.dtype

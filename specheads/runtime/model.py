@@ -194,15 +194,6 @@ def prefill_attention(model: "TargetModel"):
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def kv_write_index(write_pos: torch.Tensor, kv_heads: int, rows: torch.Tensor | None = None) -> tuple:
-    """The index of a cache's ``index_put_`` (engine layers and the drafters' head cache): K/V
-    [B, KvH, T, D] of batch row b go to cache row ``rows[b]`` (default b), slots ``write_pos[b]``.
-    ``index_put_``, not ``scatter_``: under torch.compile a scatter into the cache copies all of it."""
-    dev = write_pos.device
-    r = torch.arange(write_pos.shape[0], device=dev) if rows is None else rows
-    return r[:, None, None], torch.arange(kv_heads, device=dev)[None, :, None], write_pos[:, None, :]
-
-
 class KVCache:
     """Static cache for ``num_layers`` layers; ``lengths[b]`` = valid slots of row b.
     ``slots`` (allocated) = ``max_seq`` rounded up to a multiple of 16."""
@@ -259,7 +250,7 @@ class Layer(nn.Module):
         # "triton" | "torch", resolved once per device by TargetModel (never while tracing)
         self.attn_backend = "torch"
 
-    def forward(self, x, delta, cos, sin_s, k_cache, v_cache, cache_index, mask, kv_len, rows=None):
+    def forward(self, x, delta, cos, sin_s, k_cache, v_cache, write_pos, mask, kv_len, rows=None):
         """The layer's input is ``x + delta`` (``delta`` None: ``x``): the previous layer's MLP output is
         added here, not there, so that under torch.compile the residual add and this layer's RMSNorm
         are one kernel (vLLM's fused add-norm; one launch fewer per layer in a launch-bound decode step).
@@ -268,12 +259,12 @@ class Layer(nn.Module):
 
         x, delta [B, T, H]; cos / sin_s [B, T, 1, D] in x's dtype (``signed_sin``); mask: additive
         [B, 1, G*T, kv_len] (``additive_mask``); the layer's cache [max_batch, KvH, slots, D];
-        ``cache_index`` (``kv_write_index``) where the T new K/V go; ``rows`` [B] the
+        ``write_pos`` [B, T] the slots where the T new K/V go; ``rows`` [B] the
         cache row of each x row (None: the first B rows).
 
-        The K/V write is one ``index_put_`` (not ``scatter_``): torch.compile keeps it in place
-        and fuses it with RoPE, where a scatter into a graph input costs a copy of the whole
-        layer cache per call."""
+        The K/V write is ``kernels.kv_cache_write``: on a GPU a kernel that Inductor neither fuses
+        nor copies around (its own fused RoPE + ``index_put_`` cost 8x as much at T = 4 as at
+        T = 1 on the H200), on a CPU an ``index_put_`` in place."""
         a = self.a
         if delta is not None:
             x = x + delta
@@ -289,8 +280,7 @@ class Layer(nn.Module):
         qk = apply_rope_fast(qk, cos, sin_s)                        # q and k in one pass
         k = qk[:, :, nh:].transpose(1, 2)                           # [B, KvH, T, D]
         v = qkv[:, :, nh + nkv:].transpose(1, 2)
-        k_cache.index_put_(cache_index, k)
-        v_cache.index_put_(cache_index, v)
+        kernels.kv_cache_write(k_cache, v_cache, k, v, write_pos, rows, backend=self.attn_backend)
         o = kernels.decode_attention(qk[:, :, :nh], k_cache, v_cache, mask, kv_len, rows, backend=self.attn_backend)
         x_mid = x + self.wo(o)
         h = rms_norm(x_mid, self.post_norm, a.rms_norm_eps)
@@ -481,13 +471,13 @@ class TargetModel(nn.Module):
         if B > c.max_batch:
             raise ValueError(f"batch {B} > cache max_batch {c.max_batch}")
         kv_len = c.slots if kv_len is None else min(round_up(kv_len), c.slots)
-        x, mask, cos, sin_s, index = self._inputs(input_ids, positions, write_pos, attn_mask, kv_len, rows)
+        x, mask, cos, sin_s, write_pos = self._inputs(input_ids, positions, write_pos, attn_mask, kv_len, rows)
         want = {int(i) for i in aux_layer_ids}
         L = self.args.num_layers
         captured = {}
         delta = None
         for i, layer in enumerate(self.layers):
-            x_in, x, delta = layer(x, delta, cos, sin_s, c.k[i], c.v[i], index, mask, kv_len, rows)
+            x_in, x, delta = layer(x, delta, cos, sin_s, c.k[i], c.v[i], write_pos, mask, kv_len, rows)
             if i in want:
                 captured[i] = x_in
         final = rms_norm(x + delta, self.norm, self.args.rms_norm_eps)
@@ -503,7 +493,7 @@ class TargetModel(nn.Module):
 
     def _inputs_impl(self, input_ids, positions, write_pos, attn_mask, kv_len: int, rows):
         """What every layer of a forward reads: the embeddings, the additive attention mask, the RoPE
-        rows, the K/V write index (``compile_layers`` compiles this too: ~20 small kernels eagerly)."""
+        rows, the K/V write slots (``compile_layers`` compiles this too: ~20 small kernels eagerly)."""
         c, a = self.cache, self.args
         T = input_ids.shape[1]
         lengths = c.lengths[:input_ids.shape[0]] if rows is None else c.lengths[rows]
@@ -517,8 +507,7 @@ class TargetModel(nn.Module):
         mask = additive_mask(vis, self.dtype, a.num_heads // a.num_kv_heads)
         positions = positions.clamp(max=c.max_seq - 1)
         cos, sin_s = self.cos_t[positions][:, :, None], self.sin_t[positions][:, :, None]   # [B, T, 1, D]
-        index = kv_write_index(write_pos, a.num_kv_heads, rows)
-        return self.embed(input_ids), mask, cos, sin_s, index
+        return self.embed(input_ids), mask, cos, sin_s, write_pos
 
     # ---- CUDA graphs --------------------------------------------------------------------
     def graphed_step(self, input_ids, positions, write_pos, attn_mask, aux_layer_ids=(),
