@@ -44,7 +44,12 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
         plain = next(p for p in rows if p["batch"] == r["batch"] and p["drafter"] == "plain")
         assert abs(r["decode_speedup"] - r["decode_tokens_per_s"] / plain["decode_tokens_per_s"]) < 1e-9
         assert r["drafter"] == "plain" or r["lossless"] is True
+        # plain re-timed after the drafted rows: the same outputs, and each row's speedup against it too
+        assert r["plain_after_lossless"] is True and r["plain_after_tokens_per_s"] > 0
+        assert abs(r["speedup_vs_plain_after"] - r["tokens_per_s"] / r["plain_after_tokens_per_s"]) < 1e-9
+        assert abs(r["speedup_vs_plain_after_over_tau"] - r["speedup_vs_plain_after"] / r["tau"]) < 1e-9
     assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text and "speedup after prefill ÷ τ" in text
+    assert "plain tok/s, re-timed after" in text
     # serving: 10 mixed-set prompts through 2 slots, continuous batching, every drafter lossless
     serving = json.loads(out.read_text())["serving"]
     assert [(r["batch"], r["harvest"], r["drafter"].split(" ")[0]) for r in serving] == [

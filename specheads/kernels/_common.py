@@ -164,7 +164,6 @@ def check_soft_ce_shifted(draft_logits, target_logits, valid, shift):
     _need(isinstance(shift, int) and shift >= 0, f"shift must be an int >= 0, got {shift!r}")
 
 
-#: most query rows (G query heads per KV head x T new tokens) the decode attention kernel holds
 def check_kv_cache_write(k_cache, v_cache, k, v, write_pos, rows=None):
     """Validate ``kv_cache_write`` arguments; return (B, KvH, T, D). Traced by torch.compile on a CPU
     engine: each message is formatted only on failure (formatting a symbolic size specialises it)."""
@@ -187,6 +186,7 @@ def check_kv_cache_write(k_cache, v_cache, k, v, write_pos, rows=None):
     return B, KvH, T, D
 
 
+#: most query rows (G query heads per KV head x T new tokens) the decode attention kernel holds
 ATTENTION_MAX_ROWS = 64
 
 

@@ -1,0 +1,108 @@
+"""Does a CUDA graph replay slower once a process holds more graphs? (issue 14; H200, 2026-12-04)
+
+    python benchmarks/bench_graph_replay.py --graphs 8 --out runs/graph_replay.json
+
+On the H200 the graphed decode steps of a process ran ~0.12 ms (~13%) slower once a second kind of step had been
+captured, graphs captured earlier included, with the kernels as fast as before and the extra time idle between them
+(BENCHMARKS.md, eleventh sitting; results/h200_session_2026-12-04_r11/graph_order/). This isolates the question
+from the runtime: one "step" of ``--layers`` blocks shaped like a SmolLM2 layer (four bf16 projections of the
+layer's shapes, a norm, a SiLU-gate, residual adds: ~12 small kernels a block) is captured as graph 0 and timed,
+then ``--graphs`` more graphs of the same step, each on its own weights, are captured one by one; after each
+capture graph 0 and the newest graph are timed again (CUDA events around ``--reps`` back-to-back replays, median
+of ``--trials``). If graph 0's replay time grows with the number of graphs held, the runtime should hold fewer
+step graphs (one per batch shape rather than one per attention width as well). CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def make_step(layers: int, rows: int, device):
+    """A step function and its static input; weights of SmolLM2's layer shapes (hidden 576, MLP 1536)."""
+    H, I, QKV = 576, 1536, 960
+    ws = [[torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for n, k in
+           ((QKV, H), (H, H), (2 * I, H), (H, I))] for _ in range(layers)]
+    norm = torch.ones(H, device=device, dtype=torch.bfloat16)
+    x = torch.randn(rows, H, device=device, dtype=torch.bfloat16)
+
+    def step():
+        h = x
+        for wqkv, wo, wgu, wd in ws:
+            a = F.rms_norm(h, (H,), norm, 1e-5)
+            qkv = F.linear(a, wqkv)
+            h = h + F.linear(qkv[:, :H].contiguous(), wo)
+            a = F.rms_norm(h, (H,), norm, 1e-5)
+            gate, up = F.linear(a, wgu).chunk(2, -1)
+            h = h + F.linear(F.silu(gate) * up, wd)
+        return h
+
+    return step
+
+
+def capture(step, pool):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        step()
+    return g
+
+
+def replay_us(g, reps: int, trials: int) -> float:
+    times = []
+    for _ in range(trials):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--graphs", type=int, default=8, help="graphs captured after graph 0")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rows", type=int, default=1, help="rows of the step's input (batch x new tokens)")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--shared-pool", action="store_true", help="one memory pool for every graph, as the runtime does")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (CUDA graphs)")
+    dev = torch.device("cuda")
+    pool = torch.cuda.graph_pool_handle() if a.shared_pool else None
+    steps = [make_step(a.layers, a.rows, dev)]
+    graphs = [capture(steps[0], pool)]
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": a.layers, "rows": a.rows,
+           "shared_pool": a.shared_pool, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows_timed": []}
+    print("| graphs held | kernels a graph (about) | graph 0 µs / replay | newest graph µs / replay |\n|---:|---:|---:|---:|")
+    for n in range(a.graphs + 1):
+        if n:
+            steps.append(make_step(a.layers, a.rows, dev))
+            graphs.append(capture(steps[-1], pool))
+        first, newest = replay_us(graphs[0], a.reps, a.trials), replay_us(graphs[-1], a.reps, a.trials)
+        res["rows_timed"].append({"graphs": n + 1, "graph0_us": first, "newest_us": newest})
+        print(f"| {n + 1} | ~{12 * a.layers} | {first:.1f} | {newest:.1f} |", flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
