@@ -9,8 +9,11 @@ from the runtime: one "step" of ``--layers`` blocks shaped like a SmolLM2 layer 
 layer's shapes, a norm, a SiLU-gate, residual adds: ~12 small kernels a block) is captured as graph 0 and timed,
 then ``--graphs`` more graphs of the same step, each on its own weights, are captured one by one; after each
 capture graph 0 and the newest graph are timed again (CUDA events around ``--reps`` back-to-back replays, median
-of ``--trials``). If graph 0's replay time grows with the number of graphs held, the runtime should hold fewer
-step graphs (one per batch shape rather than one per attention width as well). CUDA only.
+of ``--trials``). ``--compile``: each block through ``torch.compile`` (Inductor's Triton kernels for the norms and
+the elementwise work, as in the runtime's layers), and with ``--new-kernels`` each new graph at one more row, so
+that it compiles and loads kernels of its own (the runtime's second kind of step did). If graph 0's replay time
+grows with the number of graphs held, the runtime should hold fewer step graphs (one per batch shape rather than
+one per attention width as well); if it grows only with ``--new-kernels``, with the kernels loaded. CUDA only.
 """
 
 from __future__ import annotations
@@ -18,16 +21,31 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specheads.runtime.model import allow_recompiles  # noqa: E402
 
-def make_step(layers: int, rows: int, device):
-    """A step function and its static input; weights of SmolLM2's layer shapes (hidden 576, MLP 1536)."""
-    H, I, QKV = 576, 1536, 960
+
+H, I, QKV = 576, 1536, 960                   # SmolLM2's hidden size, MLP width, q+k+v width
+
+
+def block(h, norm, wqkv, wo, wgu, wd):
+    a = F.rms_norm(h, (H,), norm, 1e-5)
+    qkv = F.linear(a, wqkv)
+    h = h + F.linear(qkv[:, :H].contiguous(), wo)
+    a = F.rms_norm(h, (H,), norm, 1e-5)
+    gate, up = F.linear(a, wgu).chunk(2, -1)
+    return h + F.linear(F.silu(gate) * up, wd)
+
+
+def make_step(layers: int, rows: int, device, fn=block):
+    """A step function of ``layers`` blocks with weights of their own, and its static input."""
     ws = [[torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for n, k in
            ((QKV, H), (H, H), (2 * I, H), (H, I))] for _ in range(layers)]
     norm = torch.ones(H, device=device, dtype=torch.bfloat16)
@@ -35,13 +53,8 @@ def make_step(layers: int, rows: int, device):
 
     def step():
         h = x
-        for wqkv, wo, wgu, wd in ws:
-            a = F.rms_norm(h, (H,), norm, 1e-5)
-            qkv = F.linear(a, wqkv)
-            h = h + F.linear(qkv[:, :H].contiguous(), wo)
-            a = F.rms_norm(h, (H,), norm, 1e-5)
-            gate, up = F.linear(a, wgu).chunk(2, -1)
-            h = h + F.linear(F.silu(gate) * up, wd)
+        for w in ws:
+            h = fn(h, norm, *w)
         return h
 
     return step
@@ -80,20 +93,29 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--shared-pool", action="store_true", help="one memory pool for every graph, as the runtime does")
+    ap.add_argument("--compile", action="store_true", help="the blocks through torch.compile (Triton kernels)")
+    ap.add_argument("--new-kernels", action="store_true", help="with --compile: graph i at rows + i (kernels of its own)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device (CUDA graphs)")
     dev = torch.device("cuda")
     pool = torch.cuda.graph_pool_handle() if a.shared_pool else None
-    steps = [make_step(a.layers, a.rows, dev)]
+    if a.new_kernels and not a.compile:
+        ap.error("--new-kernels needs --compile")
+    fn = block
+    if a.compile:
+        allow_recompiles(4 * (a.graphs + 1))
+        fn = torch.compile(block, dynamic=False)
+    steps = [make_step(a.layers, a.rows, dev, fn)]
     graphs = [capture(steps[0], pool)]
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": a.layers, "rows": a.rows,
-           "shared_pool": a.shared_pool, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows_timed": []}
+           "shared_pool": a.shared_pool, "compile": a.compile, "new_kernels": a.new_kernels,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows_timed": []}
     print("| graphs held | kernels a graph (about) | graph 0 µs / replay | newest graph µs / replay |\n|---:|---:|---:|---:|")
     for n in range(a.graphs + 1):
         if n:
-            steps.append(make_step(a.layers, a.rows, dev))
+            steps.append(make_step(a.layers, a.rows + (n if a.new_kernels else 0), dev, fn))
             graphs.append(capture(steps[-1], pool))
         first, newest = replay_us(graphs[0], a.reps, a.trials), replay_us(graphs[-1], a.reps, a.trials)
         res["rows_timed"].append({"graphs": n + 1, "graph0_us": first, "newest_us": newest})

