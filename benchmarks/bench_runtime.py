@@ -104,9 +104,11 @@ def prompts_for(tok, n):
     return out
 
 
-def bench_engine(m, prompts, new, repeat=1, **kw):
-    """Untimed run (compiles kernels, captures graphs), then the best of ``repeat`` timed runs."""
-    generate(m, prompts, new, stop_token_ids=(), **kw)
+def bench_engine(m, prompts, new, repeat=1, warm_up=True, **kw):
+    """Untimed run (compiles kernels, captures graphs), then the best of ``repeat`` timed runs, then (CUDA, with
+    ``warm_up``) the per-step times of one more run. ``warm_up=False``: the shapes were run before; timed runs only."""
+    if warm_up:
+        generate(m, prompts, new, stop_token_ids=(), **kw)
     best = None
     for _ in range(repeat):
         r = generate(m, prompts, new, stop_token_ids=(), **kw)
@@ -121,7 +123,7 @@ def bench_engine(m, prompts, new, repeat=1, **kw):
             "tau": s["tau"], "vllm_mean_acceptance_length": s["vllm_mean_acceptance_length"],
             "acceptance_rate": s["acceptance_rate"], "target_forwards": best.target_forwards,
             "graph_stats": best.graph_stats, "outputs": best.tokens,
-            **({"step_times": step_times(m, prompts, new, **kw)} if m.device.type == "cuda" else {})}
+            **({"step_times": step_times(m, prompts, new, **kw)} if m.device.type == "cuda" and warm_up else {})}
 
 
 def step_times(m, prompts, new, **kw):
@@ -293,11 +295,16 @@ def _sort_key(dev):
     return "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
 
 
+def device_events(prof) -> list:
+    """The profiler's device-side events (kernels, copies, memsets) in start order."""
+    from torch.autograd import DeviceType
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+
+
 def kernel_count(prof) -> dict:
     """Kernels one profiled step launched and their summed device time: in a launch-bound step the
     count is the cost to cut (the table shows only the longest rows)."""
-    from torch.autograd import DeviceType
-    ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    ev = device_events(prof)
     return {"kernels_per_step": len(ev),
             "kernel_us_per_step": sum(getattr(e, "device_time", 0.0) or 0.0 for e in ev)} if ev else {}
 
@@ -308,8 +315,7 @@ def graph_timeline(prof, steps: int, trace_path: str | None = None) -> dict:
     profiled steps by the pair of names around them. The eager profile's kernel sum misses what the graph adds:
     on the H200 (2026-12-04) a process's graphed steps slowed by ~0.12 ms once it held more graphs, all of it idle
     time between kernels that ran as fast as before."""
-    from torch.autograd import DeviceType
-    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    ev = device_events(prof)
     if trace_path:
         prof.export_chrome_trace(trace_path)
     if not ev:
@@ -340,7 +346,9 @@ def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10, skip=0, trace=
     for name, d in drafters:
         row = {}
         for mode in ([False, True] if graphs else [False]):
-            new = min((steps + skip + 6) * (k + 1), m.max_seq - max(map(len, prompts)) - k - 2)  # never finishes
+            # never finishes: warm-up, the timed steps and (graphed) the profiled ones, each at most k + 1 tokens
+            runs = 2 * steps if mode else steps
+            new = min((runs + skip + 6) * (k + 1), m.max_seq - max(map(len, prompts)) - k - 2)
             gen = Generation(m, prompts, new, drafter=d, k=k, stop_token_ids=(), use_cuda_graphs=mode)
             gen.prefill()
             gen.run(max_steps=3 + skip)                # warm-up: kernels compiled, graphs captured
@@ -351,10 +359,12 @@ def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10, skip=0, trace=
             ms = 1e3 * (time.perf_counter() - t0) / max(gen.t - n0, 1)
             row["graphs_ms_per_step" if mode else "eager_ms_per_step"] = ms
             if mode and dev.type == "cuda":
+                n1 = gen.t
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     gen.run(max_steps=steps)
                     sync(dev)
-                row.update(graph_timeline(prof, steps, f"{trace}_{name.split()[0]}.json" if trace else None))
+                row.update(graph_timeline(prof, max(gen.t - n1, 1),
+                                          f"{trace}_{name.split()[0]}.json" if trace else None))
             if not mode:
                 with profile(activities=acts) as prof:
                     gen.run(max_steps=1)
@@ -601,7 +611,8 @@ def main(argv=None):
                 # plain once more, after the drafted rows: on the H200 (2026-12-04) every graphed step of a process
                 # ran ~0.12 ms slower once a second kind of step had been captured, plain or drafted, whichever came
                 # first; the drafted rows always come second, so their speedup is also given against this run
-                after = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs) if drafters else base
+                after = (bench_engine(m, prompts[:B], a.new_tokens, a.repeat, warm_up=False, use_cuda_graphs=graphs)
+                         if drafters else base)
                 for name, r in rows:
                     sp = r["tokens_per_s"] / base["tokens_per_s"]
                     # the same prefill is in both runs' time; the decode speedup is the drafting's own
