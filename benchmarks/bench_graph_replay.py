@@ -13,7 +13,10 @@ of ``--trials``). ``--compile``: each block through ``torch.compile`` (Inductor'
 the elementwise work, as in the runtime's layers), and with ``--new-kernels`` each new graph at one more row, so
 that it compiles and loads kernels of its own (the runtime's second kind of step did). If graph 0's replay time
 grows with the number of graphs held, the runtime should hold fewer step graphs (one per batch shape rather than
-one per attention width as well); if it grows only with ``--new-kernels``, with the kernels loaded. CUDA only.
+one per attention width as well); if it grows only with ``--new-kernels``, with the kernels loaded.
+``--no-capture`` is the control: the same new steps are built and run once (their kernels compiled and loaded)
+but not captured, so graph 0 is the only graph; if graph 0 still slows down, neither the graphs held nor the
+capture are the cause, and what is left is the kernels loaded or the time the process has run. CUDA only.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--shared-pool", action="store_true", help="one memory pool for every graph, as the runtime does")
     ap.add_argument("--compile", action="store_true", help="the blocks through torch.compile (Triton kernels)")
     ap.add_argument("--new-kernels", action="store_true", help="with --compile: graph i at rows + i (kernels of its own)")
+    ap.add_argument("--no-capture", action="store_true",
+                    help="control: the new steps run once eagerly instead of being captured (graph 0 the only graph)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -111,15 +116,20 @@ def main(argv=None):
     graphs = [capture(steps[0], pool)]
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": a.layers, "rows": a.rows,
            "shared_pool": a.shared_pool, "compile": a.compile, "new_kernels": a.new_kernels,
+           "no_capture": a.no_capture,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows_timed": []}
-    print("| graphs held | graph 0 µs / replay | newest graph µs / replay |\n|---:|---:|---:|")
+    print("| steps built | graphs held | graph 0 µs / replay | newest graph µs / replay |\n|---:|---:|---:|---:|")
     for n in range(a.graphs + 1):
         if n:
             steps.append(make_step(a.layers, a.rows + (n if a.new_kernels else 0), dev, fn))
-            graphs.append(capture(steps[-1], pool))
+            if a.no_capture:
+                steps[-1]()
+                torch.cuda.synchronize()
+            else:
+                graphs.append(capture(steps[-1], pool))
         first, newest = replay_us(graphs[0], a.reps, a.trials), replay_us(graphs[-1], a.reps, a.trials)
-        res["rows_timed"].append({"graphs": n + 1, "graph0_us": first, "newest_us": newest})
-        print(f"| {n + 1} | {first:.1f} | {newest:.1f} |", flush=True)
+        res["rows_timed"].append({"steps": n + 1, "graphs": len(graphs), "graph0_us": first, "newest_us": newest})
+        print(f"| {n + 1} | {len(graphs)} | {first:.1f} | {newest:.1f} |", flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

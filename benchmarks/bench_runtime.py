@@ -19,6 +19,11 @@ H200 the graphed steps of whichever kind of step a process captured second ran ~
 BENCHMARKS.md), and the drafted rows always come second. Prints a Markdown table; ``--out`` writes JSON and ``--plot`` (default: the JSON path
 with .png) a plot of speedup against batch size per drafter.
 
+``--isolate``: every row in a process of its own (plain included; this script again, one row a call), as a server
+runs one kind of decoding: the in-process rows share a process whose graphed steps ran slower once a second kind
+had been captured (H200, 2026-12-04). Rows are compared across the processes (speedup, outputs); the Inductor and
+Triton caches are shared, so only the first process compiles from scratch.
+
 ``--serve N``: serving as well, at every --batches size above 1: the first N prompts of
 ``--serve-prompts`` (default the mixed eval set, 152 prompts in 7 categories) as a stream of
 requests through B slots with continuous batching (``generate_continuous``: a finished request's
@@ -40,6 +45,9 @@ import argparse
 import json
 import logging
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -380,9 +388,82 @@ def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10, skip=0, trace=
 
 
 # ------------------------------------------------------------------------------ output
+def table_rows(eng, B, rows, after=None) -> list[dict]:
+    """The table's rows of one engine and batch from its timed runs ``rows`` [(drafter, bench_engine result)],
+    plain first; ``after``: plain timed again after the drafted rows (None: not re-timed)."""
+    base = rows[0][1]
+    out = []
+    for name, r in rows:
+        sp = r["tokens_per_s"] / base["tokens_per_s"]
+        # the same prefill is in both runs' time; the decode speedup is the drafting's own
+        dsp = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        row = {"engine": eng, "batch": B, "drafter": name, "plain_tokens_per_s": base["tokens_per_s"],
+               "speedup": sp, "speedup_over_tau": sp / r["tau"],
+               "decode_speedup": dsp, "decode_speedup_over_tau": dsp / r["tau"]}
+        if after is not None:
+            spa = r["tokens_per_s"] / after["tokens_per_s"]
+            row.update({"plain_after_tokens_per_s": after["tokens_per_s"],
+                        "plain_after_lossless": after["outputs"] == base["outputs"],
+                        "speedup_vs_plain_after": spa, "speedup_vs_plain_after_over_tau": spa / r["tau"]})
+        out.append({**row, **{k: v for k, v in r.items() if k != "outputs"}})
+    return out
+
+
+def isolated(a, batches, wanted) -> dict:
+    """--isolate: each (engine, batch, row) timed by this script in a process of its own, then tabled as one run."""
+    child = [sys.executable, str(Path(__file__).resolve()), "--device", a.device, "--target", a.target,
+             "--new-tokens", str(a.new_tokens), "--k", str(a.k), "--min-match", str(a.min_match),
+             "--repeat", str(a.repeat)]
+    for flag, on in (("--cuda-graphs", a.cuda_graphs), ("--random-weights", a.random_weights),
+                     ("--random-head", a.random_head)):
+        child += [flag] if on else []
+    child += ["--dtype", a.dtype] if a.dtype else []
+    child += ["--head", a.head] if a.head else []
+    res, reference = None, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for eng in [e.strip() for e in a.engines.split(",") if e.strip()]:
+            for B in batches:
+                t0 = time.perf_counter()
+                rows = []
+                for name in ["plain"] + [w for w in wanted if w != "plain"]:
+                    out = Path(tmp) / f"{eng}_{B}_{name}.json"
+                    cmd = child + ["--engines", eng, "--batches", str(B), "--drafters", name,
+                                   "--isolated-row", name, "--out", str(out)]
+                    done = subprocess.run(cmd)
+                    if done.returncode:
+                        raise SystemExit(f"--isolate: the {name} row ({eng}, batch {B}) failed "
+                                         f"(exit {done.returncode}): {' '.join(cmd)}")
+                    got = json.loads(out.read_text())
+                    if "row" not in got:               # head/hybrid without a head: the row does not exist
+                        continue
+                    r = got.pop("row")
+                    res = res or {**got, "engines": [], "rows": [], "hf": {}, "isolated": True}
+                    rows.append((r.pop("drafter"), r))
+                base = rows[0][1]
+                base["lossless"] = base["outputs"] == reference.setdefault(B, base["outputs"])
+                for _name, r in rows[1:]:
+                    r["lossless"] = r["outputs"] == base["outputs"]
+                res["rows"] += table_rows(eng, B, rows)
+                res["engines"] = list(dict.fromkeys(res["engines"] + [eng]))
+                print(f"{eng} engine, batch {B} done ({time.perf_counter() - t0:.0f} s, {len(rows)} processes)",
+                      flush=True)
+    print()
+    print(markdown(res))
+    lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] if r.get("lossless") is False]
+    print(f"\ngreedy outputs identical to plain decoding: {'all rows' if not lossy else f'NOT for {lossy}'}")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    plot_path = a.plot or (str(Path(a.out).with_suffix(".png")) if a.out else None)
+    if plot_path and res["rows"]:
+        plot(res, plot_path)
+    return res
+
+
 def markdown(res) -> str:
     lines = [f"### Decode speed, {res['target']}, {res['device']}, {res['dtype']}, graphs={res['cuda_graphs']}, "
-             f"{res['new_tokens']} new tokens, greedy, k={res['k']}", "",
+             f"{res['new_tokens']} new tokens, greedy, k={res['k']}"
+             + (", every row in a process of its own" if res.get("isolated") else ""), "",
              "| engine | batch | drafter | τ | tok/s | tok/s after prefill | plain tok/s | speedup | speedup ÷ τ | "
              "speedup after prefill ÷ τ | plain tok/s, re-timed after | speedup ÷ τ against it | tok/s ÷ eager plain |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -516,6 +597,9 @@ def main(argv=None):
     ap.add_argument("--random-weights", action="store_true",
                     help="SmolLM2-135M architecture with random weights and random prompts (no GGUF needed; "
                          "speed only; acceptance figures are meaningless)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="every row (plain included) in a process of its own; no profile or serving with it")
+    ap.add_argument("--isolated-row", default=None, help=argparse.SUPPRESS)   # a child of --isolate: one row
     ap.add_argument("--random-head", action="store_true",
                     help="an untrained EAGLE-3 head for the head and hybrid rows instead of --head (step costs only: "
                          "with --random-weights, the batch-8 verify A/B of 2026-12-03 needs no file at all)")
@@ -529,6 +613,12 @@ def main(argv=None):
     bad = [d for d in wanted if d not in DRAFTERS]
     if bad:
         ap.error(f"unknown drafters {bad}; choose from {DRAFTERS}")
+    if a.isolate and (a.profile or a.profile_only or a.profile_all or a.serve or a.hf):
+        ap.error("--isolate times the static rows only: no --profile, --serve or --hf with it")
+    if a.isolate:
+        return isolated(a, batches, wanted)
+    if a.isolated_row:
+        wanted = [] if a.isolated_row == "plain" else [a.isolated_row]
     if a.profile_batch is not None and a.profile_batch not in batches:
         ap.error(f"--profile-batch {a.profile_batch} must be one of --batches {batches}")
     if a.random_weights:
@@ -556,7 +646,9 @@ def main(argv=None):
     engines = {}                                  # name -> (engine, [(drafter name, factory)])
     for eng in engine_names:
         m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
-        head = load_head(a.head, tgt, m) if a.head else random_head(tgt, m) if a.random_head else None
+        needs_head = any(w in ("head", "hybrid", "hybrid_fixed") for w in wanted)
+        head = (load_head(a.head, tgt, m) if a.head else random_head(tgt, m) if a.random_head else None) \
+            if needs_head else None
         units = DRAFTER_UNITS.get(eng, True)
         if ENGINES[eng] is not None:
             m.compile_layers(**ENGINE_PARTS.get(eng, {}), **ENGINES[eng])
@@ -594,6 +686,18 @@ def main(argv=None):
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(res, indent=2))
 
+    if a.isolated_row:                           # one row, outputs included, for the parent to compare
+        (m, drafters), = engines.values()
+        B, = batches
+        if a.isolated_row != "plain" and not drafters:  # head or hybrid without --head: no such row
+            save()
+            return res
+        name, make = ("plain", None) if a.isolated_row == "plain" else drafters[0]
+        kw = dict(drafter=make(), k=a.k) if make else {}
+        res["row"] = {"drafter": name, **bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs, **kw)}
+        save()
+        return res
+
     if not a.profile_only:
         limit_hits = RecompileLimitHits()
         reference = {}                            # batch -> the first engine's plain outputs
@@ -613,19 +717,7 @@ def main(argv=None):
                 # first; the drafted rows always come second, so their speedup is also given against this run
                 after = (bench_engine(m, prompts[:B], a.new_tokens, a.repeat, warm_up=False, use_cuda_graphs=graphs)
                          if drafters else base)
-                for name, r in rows:
-                    sp = r["tokens_per_s"] / base["tokens_per_s"]
-                    # the same prefill is in both runs' time; the decode speedup is the drafting's own
-                    dsp = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-                    spa = r["tokens_per_s"] / after["tokens_per_s"]
-                    res["rows"].append({"engine": eng, "batch": B, "drafter": name,
-                                        "plain_tokens_per_s": base["tokens_per_s"],
-                                        "speedup": sp, "speedup_over_tau": sp / r["tau"],
-                                        "decode_speedup": dsp, "decode_speedup_over_tau": dsp / r["tau"],
-                                        "plain_after_tokens_per_s": after["tokens_per_s"],
-                                        "plain_after_lossless": after["outputs"] == base["outputs"],
-                                        "speedup_vs_plain_after": spa, "speedup_vs_plain_after_over_tau": spa / r["tau"],
-                                        **{k: v for k, v in r.items() if k != "outputs"}})
+                res["rows"] += table_rows(eng, B, rows, after)
                 if a.hf and eng == engine_names[0]:
                     res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
                 print(f"{eng} engine, batch {B} done ({time.perf_counter() - t0:.0f} s with warm-up and "

@@ -126,3 +126,27 @@ def test_bench_runtime_random_head(tiny_target_dir, tmp_path):
     assert all(r["lossless"] is True and r["tokens"] == 5 * r["batch"] for r in res["rows"])
     with pytest.raises(SystemExit):
         _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--head", "x", "--random-head"])
+
+
+def test_bench_runtime_isolate(tiny_target_dir, tmp_path, capsys):
+    """--isolate: each row timed in a process of its own, compared across them (speedup, outputs) as one table."""
+    out = tmp_path / "bench.json"
+    res = _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--new-tokens", "5",
+                         "--random-head", "--drafters", "ngram,head", "--isolate", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert json.loads(out.read_text()) == res and res["isolated"] is True and res["head"] == "random (untrained)"
+    assert [(r["batch"], r["drafter"].split(" ")[0]) for r in res["rows"]] == [
+        (b, d) for b in (1, 2) for d in ("plain", "ngram", "head")]
+    for r in res["rows"]:
+        assert r["lossless"] is True and r["tokens"] == 5 * r["batch"] and "outputs" not in r
+        plain = next(p for p in res["rows"] if p["batch"] == r["batch"] and p["drafter"] == "plain")
+        assert r["plain_tokens_per_s"] == plain["tokens_per_s"]
+        assert abs(r["speedup"] - r["tokens_per_s"] / plain["tokens_per_s"]) < 1e-9
+        assert "plain_after_tokens_per_s" not in r            # nothing re-timed: plain had a process of its own
+    assert "every row in a process of its own" in text and "identical to plain decoding: all rows" in text
+    # without a head there is no head row, and the rest still runs
+    res = _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1", "--new-tokens", "4",
+                         "--drafters", "ngram,head", "--isolate"])
+    assert [r["drafter"] for r in res["rows"]] == ["plain", "ngram"]
+    with pytest.raises(SystemExit):                           # no profile or serving in isolated processes
+        _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--isolate", "--profile"])
