@@ -4,7 +4,9 @@
 #   .carry/whl/                 wheels for Python 3.12 of what the H200 lacks (DeepSpeed built here, pure Python)
 #   .carry/c0/bpart00, c1/bpart01  the bundled SmolLM2 GGUF (98 MB) in two halves: a call carries 64 MiB at most
 #   .carry/gguf.md5             the GGUF's checksum, checked when the halves are joined there
-# Then, on the device, `benchmarks/device_call.sh` (carry .carry/whl and one of .carry/c0 / .carry/c1 per call).
+#   .carry/d/data.tgz           ../shared/data (the reference recipe's prompt files; 2.5 MB), when it is there
+# Then, on the device, `benchmarks/device_call.sh` (carry .carry/whl and one of .carry/c0 / .carry/c1 per call;
+# .carry/d with c0: whl, c0 and d together pass the 64 MiB a call may carry).
 # Versions are the ones installed in PY's environment (default .venv, as `make test` builds it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,4 +25,5 @@ python3 -m pip wheel -q --no-deps --no-build-isolation -w .carry/whl "$ds"
 GGUF=$($PY -c "from specheads.target import bundled_gguf_path; print(bundled_gguf_path())")
 split -b 49M -d -a 2 "$GGUF" .carry/bpart && mv .carry/bpart00 .carry/c0/ && mv .carry/bpart01 .carry/c1/
 (cd "$(dirname "$GGUF")" && md5sum "$(basename "$GGUF")") > .carry/gguf.md5
-du -sh .carry/whl .carry/c0 .carry/c1
+if [ -d ../shared/data ]; then mkdir -p .carry/d && tar czf .carry/d/data.tgz -C ../shared data; fi
+du -sh .carry/*

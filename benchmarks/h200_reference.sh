@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# The SmolLM2 reference head on one H200 (issue 13), in one sitting:
-#   synthesize prompts -> regenerate answers -> rows -> vocab -> dump -> sweep (lr, then data size)
-#   -> export the full-data head -> eval on Vicuna, held-back gsm8k and the mixed set (head, n-gram,
-#   hybrid) -> training and decode benchmarks -> benchmarks/results/reference.json.
+# The SmolLM2 reference head on one H200 (issue 13), in one sitting, most important first, so that a sitting cut
+# short keeps what matters:
+#   1. synthesize prompts -> regenerate answers -> rows -> vocab -> dump
+#   2. train on 10% of the rows, then on all of them (sweep_reference.py, one learning rate: LRS)
+#   3. export the full-data head -> eval on the mixed set, Vicuna and held-back gsm8k (head, n-gram, hybrid)
+#      -> benchmarks/results/reference.json (written now, and again at the end)
+#   4. EXTRAS: the head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna
+#   5. ABLATIONS, each on the 10% rows like step 2's first run, all side by side on held-back gsm8k: TTT 1, EAGLE-1,
+#      MTP, and the same TTT-7 head trained online (the target inside the trainer; its loss curve against the
+#      offline run's, compare_loss_curves.py)
+#   6. the 30% run, so that held-out τ against training tokens has three points (10%, 30%, 100%)
+#   7. RUNTIME=1: bench_runtime with this head
+# Each of 4-7 starts only if its estimated seconds still fit in BUDGET_S from the run's start (the lent GPU's 30
+# minutes hold the machine's start, two calls to carry the GGUF and the polls too).
 # Expects: the GGUF at $GGUF (default /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf), the prompt files of
 # ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
 # Every stage resumes: a second run after a kill continues where the first stopped.
-# SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1); EXTRAS=1 adds the
-# head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna; ABLATIONS=1 adds
-# TTT 1 and the EAGLE-1 and MTP heads on the same rows (the ABLATION_FRACTION share, 0.3; the trainer through
-# torch.compile is left out by default: on 2026-12-02 it had not reached its first step after ~4 min on the H200),
-# on held-back gsm8k; both start only within BUDGET_S seconds of the run's start.
-# GPU_TESTS=1 runs the CUDA tests of the trainer and serving loop first; RUNTIME_DRAFTERS and SERVE_HARVEST pick
-# bench_runtime's drafters and harvests. FRACTIONS and
-# LRS override the sweep (FRACTIONS=1 LRS=2e-3: no sweep, one run; the default grid is centred on 2e-3, the
-# 2026-12-02 choice and the largest rate of its grid), COMPILE=1 and EXTRA_OV below.
+# The dump is bf16 unless that would leave less than DISK_MARGIN_GB free, then fp8 (said in the timeline).
+# SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1). GPU_TESTS=1 runs the CUDA tests
+# of the trainer and serving loop first; TRAIN_BENCH=1 the training step benchmark. FRACTIONS and LRS override the
+# sweep's first pass (LRS=1e-3,2e-3,4e-3 sweeps the rate on the smallest share first), COMPILE=1 and EXTRA_OV below.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 GGUF=${GGUF:-/tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -26,12 +31,19 @@ RUN=${RUN:-runs/smollm2_eagle3_h200}
 DEVICE=${DEVICE:-cuda}
 S="python3 -m specheads.cli"
 OV=(run_dir=$RUN target.device=$DEVICE "data.sources.6.path=$RUN/data/synthesized.jsonl")
-FRACTIONS=${FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-1e-3,2e-3,4e-3}; BATCHES=1,8,48; NEW=128
-SHAPES=${SHAPES:-16x256,64x512,128x256,32x1024}; VL=80; GL=64; TRAIN_MODES=${TRAIN_MODES:-eager,compiled}
+# 2e-3: the 2026-12-02 sweep's choice (5e-4 / 1e-3 / 2e-3 on 10% of the rows: held-out τ 1.32 / 1.39 / 1.42)
+FRACTIONS=${FRACTIONS:-0.1,1}; LATE_FRACTIONS=${LATE_FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-2e-3}
+AF=${ABLATION_FRACTION:-0.1}; BATCHES=1,8,48; NEW=128
+SHAPES=${SHAPES:-64x512,128x256}; VL=80; GL=64; TRAIN_MODES=${TRAIN_MODES:-eager}
+DISK_MARGIN_GB=${DISK_MARGIN_GB:-8}
+# seconds each optional block is expected to take on the H200 (2026-12-02..06 sittings): a block starts only if
+# it still ends within BUDGET_S
+EST_EXTRAS=${EST_EXTRAS:-100}; EST_ABLATION_EVAL=${EST_ABLATION_EVAL:-90}; EST_LATE=${EST_LATE:-150}
+EST_RUNTIME=${EST_RUNTIME:-160}
 # COMPILE=1: torch.compile the trainer's head step and eval's engine and head (not synthesis or
 # regeneration: their changing prefill shapes made the compiled engine 4-8x slower on 2026-12-01);
 # EXTRA_OV: more recipe overrides. The compiled trainer wants fixed shapes: COMPILE=1 with
-# EXTRA_OV="train.length_buckets=[256,512,1024,2048]" pads every micro-batch to one of four (not yet timed)
+# EXTRA_OV="train.length_buckets=[256,512,1024,2048]" pads every micro-batch to one of four
 if [ -n "${COMPILE:-}" ]; then
   OV+=(train.compile=true eval.compile=true)
 fi
@@ -43,97 +55,119 @@ if [ -n "${SMALL:-}" ]; then
        data.regenerate.max_prompt_tokens=256 vocab.draft_vocab_size=4096 train.epochs=1 train.ttt_steps=2
        train.max_tokens_per_batch=2048 train.eval_every=4 train.eval_fraction=0.1 train.precision=fp32
        eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4 dump.batch_tokens=4096)
-  FRACTIONS=0.5,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; TRAIN_MODES=eager; ABLATION_FRACTION=${ABLATION_FRACTION:-0.5}
+  FRACTIONS=0.5,1; LATE_FRACTIONS=0.5,0.75,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; AF=0.5
 fi
 T0=$(date +%s)
-# EXTRAS and ABLATIONS start only while the run is within BUDGET_S seconds (default 21 min: the sitting's 25)
-in_budget() { local e=$(( $(date +%s) - T0 )); [ $e -lt ${BUDGET_S:-1260} ] && return 0
-  log "skipped: ${e}s elapsed, over BUDGET_S=${BUDGET_S:-1260}"; return 1; }
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
+# fits SECONDS: a block expected to take SECONDS starts only if it ends within BUDGET_S of the run's start
+fits() { local e=$(( $(date +%s) - T0 )); [ $(( e + $1 )) -le ${BUDGET_S:-1380} ] && return 0
+  log "skipped: ${e}s elapsed + ${1}s expected > BUDGET_S=${BUDGET_S:-1380}"; return 1; }
 # the small reports so far, refreshed after every stage: a lent machine can go back at any call, and
 # $OUT is what one call brings back, so a run cut short keeps every stage it finished
-reports() { tar czf "$1" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl $RUN/sweep*/sweep.* \
-  $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl $RUN/sweep*/*/profile.txt $RUN/sweep*/*/*.png $RUN/data/*summary*.json \
-  $RUN/data/*.png $RUN/data/rows/summary.json $RUN/vocab/vocab.json $RUN/export/speculators/config.json \
-  $RUN/export/speculators/README.md 2>/dev/null; }
+reports() { tar czf "$1" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl \
+  $RUN/ablation/*.json $RUN/ablation/*.png $RUN/ablation/train_*/profile.txt $RUN/sweep*/sweep.* $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl \
+  $RUN/sweep*/*/profile.txt $RUN/sweep*/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json \
+  $RUN/vocab/vocab.json $RUN/dump/manifest.json $RUN/export/speculators/config.json $RUN/export/speculators/README.md \
+  2>/dev/null; }
 stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-400}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; reports "$OUT/partial_reports.tar.gz"; return $rc; }
+summary() { stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \
+  --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
+  --eval vicuna_k5=$RUN/eval_extras --eval vicuna_t07=$RUN/eval_t07 --eval vicuna_tree=$RUN/eval_tree \
+  --eval gsm8k_holdout_ablation=$RUN/eval_ablation --ablation $RUN/ablation \
+  --sweep $SW --bench-runtime "$OUT/bench_runtime.json" --bench-train "$OUT/bench_train.json" \
+  --timeline "$OUT/timeline.txt"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/timeline.txt"
-# GPU_TESTS=1: the trainer's and the serving loop's CUDA paths first (side-stream batch prefetch, the
-# harvest one block behind), a few tiny runs; the pipeline goes on whatever they say (read the log)
+df -h . /tmp 2>/dev/null | tee -a "$OUT/timeline.txt"
 [ -n "${GPU_TESTS:-}" ] && LIMIT=240 stage gpu_tests python3 -m pytest -x -q -p no:cacheprovider tests/test_train.py \
   tests/test_runtime_cuda.py -k "overfit_each_head or resume_equals or nan_stops or profile_steps or continuous_batching_graphs"
-# the training benchmark first: it needs nothing from the pipeline
-[ "${TRAIN_BENCH:-1}" = 0 ] || LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 --smollm2-device $DEVICE \
-  --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES --out "$OUT/bench_train.json"
+[ -n "${TRAIN_BENCH:-}" ] && LIMIT=300 stage bench_train python3 benchmarks/bench_train.py --only smollm2 \
+  --smollm2-device $DEVICE --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES --out "$OUT/bench_train.json"
 
+SW=$RUN/sweep
 stage synthesize $S data synthesize $R "${OV[@]}" && stage regenerate $S data regenerate $R "${OV[@]}" && \
-stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}" && stage dump $S dump $R "${OV[@]}" && \
-{ LIMIT=${SWEEP_LIMIT:-900} stage sweep python3 benchmarks/sweep_reference.py $R --out $RUN/sweep \
-    --fractions $FRACTIONS --lrs $LRS "${OV[@]}" || {
-  # a trainer through torch.compile that fails is retried eagerly, in a sweep directory of its own
-  [[ " ${OV[*]} " == *" train.compile=true "* ]] && OV+=(train.compile=false) && SW=$RUN/sweep_eager && \
-  LIMIT=${SWEEP_LIMIT:-900} stage sweep_eager python3 benchmarks/sweep_reference.py $R --out $SW \
-    --fractions $FRACTIONS --lrs $LRS "${OV[@]}"; }; } && {
+stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}" || { summary; log done; exit 1; }
+# bf16 states take 4.6 kB a token here; fp8 about half: the store must leave DISK_MARGIN_GB for checkpoints
+DUMP_DTYPE=$(python3 -c "
+import json, shutil, sys
+from specheads.dump.store import bytes_per_token
+n = json.load(open('$RUN/data/rows/summary.json'))['tokens']
+need = n * bytes_per_token('bfloat16', 3, 576) / 1e9
+free = shutil.disk_usage('.').free / 1e9
+print('bfloat16' if need + $DISK_MARGIN_GB <= free else 'fp8')
+print(f'dump: {n:,} tokens, bf16 needs {need:.1f} GB, {free:.1f} GB free', file=sys.stderr)" 2>> "$OUT/timeline.txt")
+log "dump dtype ${DUMP_DTYPE:=bfloat16}"
+OV+=(dump.dtype=$DUMP_DTYPE)
+stage dump $S dump $R "${OV[@]}" || { summary; log done; exit 1; }
+
+# 2. the 10% run (the curve's first point, the ablations' baseline) and the full-data head
+if LIMIT=${SWEEP_LIMIT:-900} stage sweep python3 benchmarks/sweep_reference.py $R --out $SW \
+    --fractions $FRACTIONS --lrs $LRS "${OV[@]}"; then
   # export and eval read the chosen run: the same lr and data share as it was trained with
-  SW=${SW:-$RUN/sweep}
   read FINAL LR < <(python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
 print(s['final']['train_dir'], s['best_lr'])")
+  SWEEP_OV=("${OV[@]}")  # a later pass of the sweep must name the same overrides
   OV+=(train.out=$FINAL train.lr=$LR)
+  # 3. the goals
   stage export $S export $R "${OV[@]}"
   stage eval_mixed $S eval $R "${OV[@]}" eval.out=$RUN/eval_mixed
   stage eval_vicuna $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
     eval.limit=$VL eval.out=$RUN/eval_vicuna
   stage eval_gsm8k $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
     eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
-  # the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs,
-  # with per-step GPU time and the profile of one step at batch 8, where verification costs most (issue 14)
-  LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs \
-    --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators --engines ${RUNTIME_ENGINES:-compiled} \
-    --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid,hybrid_fixed} --repeat ${REPEAT:-3} --profile --profile-batch ${PROFILE_BATCH:-8} \
-    --serve ${SERVE:-152} --serve-harvest ${SERVE_HARVEST:-sync} \
-    --out "$OUT/bench_runtime.json"
-  if [ -n "${EXTRAS:-}" ] && in_budget; then  # the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
-    LIMIT=150 stage eval_k5_t07_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
-      eval.split=all eval.limit=${XL:-$VL} eval.out=$RUN/eval_extras eval.compare=[] --k 5
+  summary
+  # 4. the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
+  if [ -z "${NO_EXTRAS:-}" ] && fits $EST_EXTRAS; then
+    LIMIT=150 stage eval_k5 $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
+      eval.split=all eval.limit=$VL eval.out=$RUN/eval_extras eval.compare=[] --k 5
     LIMIT=150 stage eval_t07 $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
-      eval.limit=${XL:-$VL} eval.temperature=0.7 eval.out=$RUN/eval_t07 eval.compare=[] --rule onehot --rule rejection
+      eval.limit=$VL eval.temperature=0.7 eval.out=$RUN/eval_t07 eval.compare=[] --rule onehot --rule rejection
     LIMIT=150 stage eval_tree $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
-      eval.limit=${XL:-$VL} eval.tree=4,4,16 eval.out=$RUN/eval_tree eval.compare=[]
+      eval.limit=$VL eval.tree=4,4,16 eval.out=$RUN/eval_tree eval.compare=[]
   fi
-  if [ -n "${ABLATIONS:-}" ] && in_budget; then
-    # issue 13's comparisons on the same rows: the TTT-7 head trained through torch.compile (the trainer's tok/s),
-    # the EAGLE-3 head with TTT 1, an EAGLE-1 and an MTP head, each trained on the AF share at the chosen lr like the
-    # sweep's TTT-7 run of that share, then all exported and run side by side on held-back gsm8k (one target load,
-    # one plain baseline). ABLATION_VARIANTS="name:key=value,key=value ..." replaces the list (the sweep's run leads)
-    AF=${ABLATION_FRACTION:-0.3}
+  # 5. issue 13's comparisons on the same rows, each trained on the AF share at the chosen lr like the sweep's TTT-7
+  # run of that share, then all exported and run side by side on held-back gsm8k (one target load, one plain
+  # baseline): TTT 1, EAGLE-1, MTP, the TTT-7 head trained online, and trained through torch.compile on length
+  # buckets (the trainer's tokens/s once each bucket's shape is compiled). ABLATION_VARIANTS="name:seconds:key=value;
+  # key=value ..." replaces the list (seconds: the variant's expected time; the sweep's run leads)
+  if [ -z "${NO_ABLATIONS:-}" ]; then
     BASE=$(python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
 print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 and r['lr'] == s['best_lr']))")
     AB=$RUN/ablation; HEADS=()
-    for v in "eagle3_ttt7:" ${ABLATION_VARIANTS:-"eagle3_ttt1:train.ttt_steps=1" \
-             "eagle1:head.kind=eagle1,head.fc_bias=false,export.format=eagle" "mtp:head.kind=mtp,export.format=mtp"}; do
-      in_budget || break
-      name=${v%%:*}; o=${v#*:}; vo=(${o//,/ }); TD=$AB/train_$name; [ $name = eagle3_ttt7 ] && TD=$BASE
+    for v in "eagle3_ttt7:0:" ${ABLATION_VARIANTS:-"eagle3_ttt1:60:train.ttt_steps=1" \
+             "eagle1:60:head.kind=eagle1;head.fc_bias=false;export.format=eagle" "mtp:60:head.kind=mtp;export.format=mtp" \
+             "eagle3_ttt7_online:100:dump.mode=online" \
+             "eagle3_ttt7_compiled:240:train.compile=true;train.length_buckets=[256,512,1024,2048]"}; do
+      name=${v%%:*}; rest=${v#*:}; est=${rest%%:*}; o=${rest#*:}; vo=(); [ -n "$o" ] && IFS=';' read -ra vo <<< "$o"
+      TD=$AB/train_$name
+      [ $name = eagle3_ttt7 ] && TD=$BASE
       if [ $name != eagle3_ttt7 ]; then
+        fits $(( est + EST_ABLATION_EVAL )) || break
         LIMIT=300 stage "ablation_train_$name" $S train $R "${OV[@]}" train.data_fraction=$AF \
           train.out=$TD train.resume=$([ -d $TD/checkpoints ] && echo true || echo false) ${vo[@]+"${vo[@]}"} || continue
       fi
       stage "ablation_export_$name" $S export $R "${OV[@]}" ${vo[@]+"${vo[@]}"} train.out=$TD export.out=$AB/$name \
         && HEADS+=($AB/$name)
     done
+    [ -f $AB/train_eagle3_ttt7_online/metrics.jsonl ] && stage online_vs_offline python3 benchmarks/compare_loss_curves.py \
+      $BASE/metrics.jsonl $AB/train_eagle3_ttt7_online/metrics.jsonl --labels offline,online \
+      --out $AB/online_vs_offline.json --plot $AB/online_vs_offline.png
     HL=$(IFS=,; echo "${HEADS[*]}")
-    [ ${#HEADS[@]} -gt 1 ] && LIMIT=300 stage eval_ablation $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
-      eval.limit=$GL "eval.head=[$HL]" eval.compare=[] eval.out=$RUN/eval_ablation
+    [ ${#HEADS[@]} -gt 1 ] && LIMIT=300 stage eval_ablation $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl \
+      eval.split=holdout eval.limit=$GL "eval.head=[$HL]" eval.compare=[] eval.out=$RUN/eval_ablation
   fi
-}
-stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \
-  --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
-  --eval vicuna_k5=$RUN/eval_extras --eval vicuna_t07=$RUN/eval_t07 --eval vicuna_tree=$RUN/eval_tree \
-  --eval gsm8k_holdout_ablation=$RUN/eval_ablation \
-  --sweep ${SW:-$RUN/sweep} --bench-runtime "$OUT/bench_runtime.json" --bench-train "$OUT/bench_train.json" \
-  --timeline "$OUT/timeline.txt"
-tail -n 20 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"
+  # 6. the curve's middle point
+  fits $EST_LATE && LIMIT=400 stage sweep_late python3 benchmarks/sweep_reference.py $R --out $SW \
+    --fractions $LATE_FRACTIONS --lrs $LRS "${SWEEP_OV[@]}"
+  # 7. the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs
+  [ -n "${RUNTIME:-}" ] && fits $EST_RUNTIME && LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py \
+    --device $DEVICE --cuda-graphs --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators \
+    --engines compiled --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid} --repeat ${REPEAT:-3} \
+    --out "$OUT/bench_runtime.json"
+fi
+summary
+tail -n 40 "$OUT/log.txt" | grep -E "goal|τ|wrote" | tee -a "$OUT/timeline.txt"
 # the small reports travel back; the dump and checkpoints stay
-reports "$OUT/reference_run.tar.gz" && rm -f "$OUT/partial_reports.tar.gz"
+reports "$OUT/reference_run.tar.gz"; rm -f "$OUT/partial_reports.tar.gz"
 log done

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specheads.fileio import write_json_atomic  # noqa: E402
 
 GOALS = {"vicuna": 2.5, "gsm8k_holdout": 2.8}  # τ, greedy, chain k = 3, 128 new tokens
+TRAIN_TOKENS_PER_S = 200_000  # the SmolLM2 head with TTT 7, in the trainer
 CATEGORY_RATIO = 1.3  # the head's τ against n-gram's, in every category of the mixed set
 
 
@@ -82,6 +83,24 @@ def category_check(mixed: dict) -> dict:
             "hybrid_goal_met_everywhere": all(r["hybrid_at_least_best"] for r in rows.values())}
 
 
+def ablation(root: Path) -> dict:
+    """The ablation heads' training figures (held-out τ, tokens/s) and the online-vs-offline comparison."""
+    from specheads.train.run_log import read_metrics
+
+    out = {}
+    for d in sorted(Path(root).glob("train_*")):
+        rows = read_metrics(d) if (d / "metrics.jsonl").exists() else []
+        evals = [r for r in rows if r.get("split") == "eval"]
+        train = [r for r in rows if r.get("split") == "train"]
+        out[d.name[len("train_"):]] = {
+            "train_dir": str(d), "heldout_sim_tau": evals[-1]["sim_tau"] if evals else None,
+            "heldout_step_acc": evals[-1]["step_acc"] if evals else None,
+            "train_tokens": sum(int(r.get("tokens", 0)) for r in train),
+            "train_tokens_per_s": (sum(r["tokens_per_s"] for r in train[-20:]) / len(train[-20:])) if train else None}
+    comparison = _load(Path(root) / "online_vs_offline.json")
+    return {"heads": out, "online_vs_offline": comparison}
+
+
 def timeline(path: Path | None) -> dict:
     if path is None or not Path(path).exists():
         return {}
@@ -120,6 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--bench-runtime", type=Path)
     ap.add_argument("--bench-train", type=Path)
     ap.add_argument("--timeline", type=Path)
+    ap.add_argument("--ablation", type=Path, help="the ablation heads' directory (train_NAME/ inside)")
     a = ap.parse_args(argv)
     data_dir = a.run / "data"
     summary = {
@@ -136,6 +156,11 @@ def main(argv=None) -> dict:
     sweep = _load(a.sweep / "sweep.json") if a.sweep else None
     if sweep:
         summary["training"] = {"chosen_lr": sweep.get("best_lr"), "runs": sweep["runs"], "final": sweep.get("final")}
+        tps = (sweep.get("final") or {}).get("train_tokens_per_s")
+        summary["goals"][f"train_tokens_per_s>={TRAIN_TOKENS_PER_S}"] = {
+            "value": tps, "met": tps is not None and tps >= TRAIN_TOKENS_PER_S}
+    if a.ablation and Path(a.ablation).is_dir():
+        summary["ablation"] = ablation(a.ablation)
     for spec in a.eval:
         name, _, d = spec.partition("=")
         rep = _load(Path(d) / "report.json")

@@ -15,6 +15,9 @@ Writes ``OUT/sweep.json`` (runs, best lr, the full-data run's directory), ``OUT/
 
     python benchmarks/sweep_reference.py recipes/smollm2_eagle3_h200.yaml --out runs/x/sweep \\
         --fractions 0.1,0.3,1 --lrs 3e-4,1e-3,3e-3 [overrides ...]
+
+A second call with more ``--fractions`` (the same smallest one, rates and overrides) adds their runs to
+the same ``sweep.json`` and plot.
 """
 from __future__ import annotations
 
@@ -105,11 +108,13 @@ def main(argv=None) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "sweep.json"
     state = json.loads(path.read_text()) if path.exists() else {"recipe": a.recipe, "runs": []}
-    if state.get("recipe") != a.recipe or state.get("fractions", fractions) != fractions \
+    # A later pass may add data shares (the reference run trains 10% and 100% first, 30% when time is left); the
+    # rate is chosen on the smallest share, so that share and the rates must stay what they were
+    if state.get("recipe") != a.recipe or state.get("fractions", fractions)[0] != fractions[0] \
             or state.get("lrs", lrs) != lrs or state.get("overrides", a.overrides) != a.overrides:
-        raise SystemExit(f"{path} belongs to another sweep (recipe, fractions, lrs or overrides differ): "
+        raise SystemExit(f"{path} belongs to another sweep (recipe, smallest fraction, lrs or overrides differ): "
                          f"use another --out")
-    state.update(fractions=fractions, lrs=lrs, overrides=a.overrides)
+    state.update(fractions=sorted(set(state.get("fractions", [])) | set(fractions)), lrs=lrs, overrides=a.overrides)
     done = {r["name"]: r for r in state["runs"]}
 
     def record(r: dict) -> None:
@@ -124,7 +129,7 @@ def main(argv=None) -> dict:
     for f in fractions[1:]:
         record(train_one(a.recipe, a.out, f, best_lr, a.overrides, done))
     state["best_lr"] = best_lr
-    state["final"] = done[run_name(fractions[-1], best_lr)]
+    state["final"] = done[run_name(max(state["fractions"]), best_lr)]
     write_json_atomic(path, state)
     plot(state["runs"], best_lr, a.out / "tau_vs_tokens.png")
     lines = ["| data share | lr | training tokens | held-out τ | held-out loss | tok/s | time (s) |",

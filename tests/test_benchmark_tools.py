@@ -85,3 +85,30 @@ def test_device_call_joins_the_gguf_halves_only_when_both_came(tmp_path):
     joined.unlink()
     (calls[1] / ".carry" / "c1" / "bpart01").write_bytes(b"x" + data[1701:])   # a half damaged in transit
     assert run(calls[1]) == "GGUF=unset" and not joined.exists()
+
+
+def test_device_call_lays_out_the_carried_prompt_files(tmp_path):
+    """benchmarks/device_call.sh: the prompt files come once, as .carry/d/data.tgz (device_bundle.sh), are kept in
+    DEVICE_TMP and linked as ./data in the repo of that call and of a later call that carried no copy."""
+    import os
+    import subprocess
+    import tarfile
+
+    src = tmp_path / "shared" / "data"
+    src.mkdir(parents=True)
+    (src / "vicuna_bench_questions.jsonl").write_text('{"question_id": 1, "turns": ["hi"]}\n')
+    first, later = tmp_path / "call0", tmp_path / "call1"
+    (first / ".carry" / "d").mkdir(parents=True)
+    later.mkdir()
+    with tarfile.open(first / ".carry" / "d" / "data.tgz", "w:gz") as tar:
+        tar.add(src, arcname="data")
+    for repo in (first, later):
+        (repo / ".carry").mkdir(exist_ok=True)
+        (repo / ".carry" / "gguf.md5").write_text("0  SmolLM2-135M-Instruct.Q4_1.gguf\n")
+    env = dict(os.environ, DEVICE_TMP=str(tmp_path / "device"))
+    for repo in (first, later):
+        out = subprocess.run(["bash", str(REPO / "benchmarks" / "device_call.sh"), "cat",
+                              "data/vicuna_bench_questions.jsonl"], cwd=repo, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == '{"question_id": 1, "turns": ["hi"]}'
+        assert (repo / "data").resolve() == (tmp_path / "device" / "data").resolve()

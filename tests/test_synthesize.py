@@ -23,7 +23,11 @@ def chatty(tiny_target_dir):
     A random model almost never samples the end-of-turn token (1 in 49k), so every message would hit the
     length cap. Here every embedding gets a shared direction d (the final norm then sees mostly d) and the
     untied lm_head row of <|im_end|> gets d too: it ends a message with p ≈ 0.15 per token, so some
-    messages end and some run into the cap, as with a real target."""
+    messages end and some run into the cap, as with a real target.
+
+    In float64: the batch-size tests compare sampled text, and this target's flat distributions put sampled
+    tokens at nucleus / CDF boundaries, where float32 GEMMs that round a row differently in a batch of 4 and
+    one of 8 flip a token (seen on one CPU kind, not on another); float64 leaves no such last-bit flips."""
     t = load_target(str(tiny_target_dir))
     m = t.model
     emb = m.model.embed_tokens.weight.detach().clone()
@@ -33,6 +37,7 @@ def chatty(tiny_target_dir):
     head[t.tokenizer.convert_tokens_to_ids("<|im_end|>")] += 1.134 * d
     m.model.embed_tokens.weight = torch.nn.Parameter(emb + d, requires_grad=False)
     m.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+    m.double()
     return t
 
 
@@ -50,9 +55,7 @@ def _lines(path):
 
 
 def test_same_seed_same_file_whatever_the_batch_size(chatty, tiny_target_dir, tmp_path):
-    # batch sizes 4 and 8: CPU GEMMs round the rows of a small batch's 4-row tail (sizes 1-3, 5-7, 9-11)
-    # differently, and this random target's flat distributions put sampled tokens at nucleus / CDF
-    # boundaries that a last-bit change flips; the schedule itself never changes a conversation's draws
+    # batch sizes 4 and 8, in float64 (see `chatty`): the schedule itself never changes a conversation's draws
     a = _recipe(tmp_path / "a", tiny_target_dir, "data.synthesize.turns=2", "data.synthesize.batch_size=4")
     s = run_synthesize(a, target=chatty)
     b = _recipe(tmp_path / "b", tiny_target_dir, "data.synthesize.turns=2", "data.synthesize.batch_size=8")
@@ -137,7 +140,7 @@ def test_engine_dtype_is_a_setting_of_the_file(chatty, tiny_target_dir, tmp_path
     seen = engine_dtypes
     base = {"data.synthesize.num_prompts": 2, "data.synthesize.dtype": "bfloat16"}
     s = run_synthesize(_recipe(tmp_path, tiny_target_dir, **base), target=chatty)
-    assert seen == [torch.bfloat16] and next(chatty.model.parameters()).dtype == torch.float32
+    assert seen == [torch.bfloat16] and next(chatty.model.parameters()).dtype == torch.float64  # the target's own
     assert s["written"] == 2
     with pytest.raises(SynthesizeError, match="differing: data.synthesize.dtype"):
         run_synthesize(_recipe(tmp_path, tiny_target_dir, **{**base, "data.synthesize.dtype": "float32"}),
@@ -231,7 +234,8 @@ def test_copy_prompts_wrap_documents(tiny_target_dir, chatty, tmp_path):
 def test_categories_steer_the_mix_and_bad_seeds_are_named(tiny_target_dir, tmp_path):
     r = _recipe(tmp_path, tiny_target_dir, "data.synthesize.copy_tasks.fraction=0",
                 "data.synthesize.categories={chat: {weight: 0}, reasoning: {weight: 0}, code: {weight: 0}, "
-                "writing: {weight: 0}, qa: {weight: 0}, cooking: {weight: 1, openers: ['Give me a recipe for {topic}'], "
+                "writing: {weight: 0}, qa: {weight: 0}, roleplay: {weight: 0}, hypothetical: {weight: 0}, estimate: {weight: 0}, "
+                "knowledge: {weight: 0}, advice: {weight: 0}, cooking: {weight: 1, openers: ['Give me a recipe for {topic}'], "
                 "topics: [soup], systems: ['You are a chef.']}, math: {weight: 1}}")
     cfg = r.data.synthesize
     seeds = load_seeds(cfg)
