@@ -8,7 +8,7 @@ set -u
 DIR=$1; SECS=${2:-540}; OUT=${OUT:-out}; mkdir -p "$OUT"
 end=$(( $(date +%s) + SECS ))
 while [ "$(date +%s)" -lt $end ] && ! grep -q '\] done$' "$DIR/timeline.txt" 2>/dev/null; do sleep 5; done
-for f in timeline.txt reference.json partial_reports.tar.gz reference_run.tar.gz bench_runtime.json; do
+for f in timeline.txt reference.json partial_reports.tar.gz reference_run.tar.gz bench_runtime.json bench_train.json; do
   [ -f "$DIR/$f" ] && cp "$DIR/$f" "$OUT/"
 done
 [ -f "$DIR/log.txt" ] && tr '\r' '\n' < "$DIR/log.txt" | grep -v '^\s*$' | tail -n 3000 > "$OUT/log_tail.txt"

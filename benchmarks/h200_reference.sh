@@ -10,15 +10,16 @@
 #      MTP, and the same TTT-7 head trained online (the target inside the trainer; its loss curve against the
 #      offline run's, compare_loss_curves.py)
 #   6. the 30% run, so that held-out τ against training tokens has three points (10%, 30%, 100%)
-#   7. RUNTIME=1: bench_runtime with this head
-# Each of 4-7 starts only if its estimated seconds still fit in BUDGET_S from the run's start (the lent GPU's 30
+#   7. the training step benchmark (the Llama-8B-shaped head's MFU, the SmolLM2 head at fixed shapes)
+#   8. RUNTIME=1: bench_runtime with this head
+# Each of 4-8 starts only if its estimated seconds still fit in BUDGET_S from the run's start (the lent GPU's 30
 # minutes hold the machine's start, two calls to carry the GGUF and the polls too).
 # Expects: the GGUF at $GGUF (default /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf), the prompt files of
 # ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
 # Every stage resumes: a second run after a kill continues where the first stopped.
 # The dump is bf16 unless that would leave less than DISK_MARGIN_GB free, then fp8 (said in the timeline).
 # SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1). GPU_TESTS=1 runs the CUDA tests
-# of the trainer and serving loop first; TRAIN_BENCH=1 the training step benchmark. FRACTIONS and LRS override the
+# of the trainer and serving loop first; TRAIN_BENCH=1 the training step benchmark first (not at 7). FRACTIONS and LRS override the
 # sweep's first pass (LRS=1e-3,2e-3,4e-3 sweeps the rate on the smallest share first), COMPILE=1 and EXTRA_OV below.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -160,7 +161,11 @@ print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 
   # 6. the curve's middle point
   fits $EST_LATE && LIMIT=400 stage sweep_late python3 benchmarks/sweep_reference.py $R --out $SW \
     --fractions $LATE_FRACTIONS --lrs $LRS "${SWEEP_OV[@]}"
-  # 7. the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs
+  # 7. the training step benchmark: the Llama-8B-shaped head's MFU and the SmolLM2 head at fixed shapes
+  [ -z "${TRAIN_BENCH:-}" ] && [ $DEVICE = cuda ] && fits ${EST_TRAIN_BENCH:-100} && LIMIT=240 stage bench_train python3 \
+    benchmarks/bench_train.py --smollm2-device $DEVICE --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES \
+    --out "$OUT/bench_train.json"
+  # 8. the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs
   [ -n "${RUNTIME:-}" ] && fits $EST_RUNTIME && LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py \
     --device $DEVICE --cuda-graphs --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators \
     --engines compiled --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid} --repeat ${REPEAT:-3} \
