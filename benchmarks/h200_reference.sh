@@ -39,7 +39,7 @@ SHAPES=${SHAPES:-64x512,128x256}; VL=80; GL=64; TRAIN_MODES=${TRAIN_MODES:-eager
 DISK_MARGIN_GB=${DISK_MARGIN_GB:-8}
 # seconds each optional block is expected to take on the H200 (2026-12-02..06 sittings): a block starts only if
 # it still ends within BUDGET_S
-EST_EXTRAS=${EST_EXTRAS:-100}; EST_ABLATION_EVAL=${EST_ABLATION_EVAL:-90}; EST_LATE=${EST_LATE:-150}
+EST_EXTRAS=${EST_EXTRAS:-100}; EST_ABLATION_EVAL=${EST_ABLATION_EVAL:-90}; EST_LATE=${EST_LATE:-150}; EST_BASE=${EST_BASE:-70}
 EST_RUNTIME=${EST_RUNTIME:-160}
 # COMPILE=1: torch.compile the trainer's head step and eval's engine and head (not synthesis or
 # regeneration: their changing prefill shapes made the compiled engine 4-8x slower on 2026-12-01);
@@ -132,9 +132,13 @@ print(s['final']['train_dir'], s['best_lr'])")
   # baseline): TTT 1, EAGLE-1, MTP, the TTT-7 head trained online, and trained through torch.compile on length
   # buckets (the trainer's tokens/s once each bucket's shape is compiled). ABLATION_VARIANTS="name:seconds:key=value;
   # key=value ..." replaces the list (seconds: the variant's expected time; the sweep's run leads)
-  if [ -z "${NO_ABLATIONS:-}" ]; then
-    BASE=$(python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
-print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 and r['lr'] == s['best_lr']))")
+  # (FRACTIONS=1 skips the 10% run at first: it is trained here, before the variants, when time is left)
+  base() { python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
+print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 and r['lr'] == s['best_lr']))" 2>/dev/null; }
+  if [ -z "${NO_ABLATIONS:-}" ] && { [ -n "$(base)" ] || { fits $(( EST_BASE + 60 + EST_ABLATION_EVAL )) && \
+      LIMIT=300 stage sweep_base python3 benchmarks/sweep_reference.py $R --out $SW --fractions $AF,1 --lrs $LRS \
+      "${SWEEP_OV[@]}"; }; }; then
+    BASE=$(base)
     AB=$RUN/ablation; HEADS=()
     for v in "eagle3_ttt7:0:" ${ABLATION_VARIANTS:-"eagle3_ttt1:60:train.ttt_steps=1" \
              "eagle1:60:head.kind=eagle1;head.fc_bias=false;export.format=eagle" "mtp:60:head.kind=mtp;export.format=mtp" \

@@ -108,9 +108,10 @@ def main(argv=None) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "sweep.json"
     state = json.loads(path.read_text()) if path.exists() else {"recipe": a.recipe, "runs": []}
-    # A later pass may add data shares (the reference run trains 10% and 100% first, 30% when time is left); the
-    # rate is chosen on the smallest share, so that share and the rates must stay what they were
-    if state.get("recipe") != a.recipe or state.get("fractions", fractions)[0] != fractions[0] \
+    # A later pass may add data shares (the reference run trains 10% and 100% first, 30% when time is left). With
+    # several rates the rate is chosen on the smallest share, so that share must then stay what it was
+    moved = len(lrs) > 1 and state.get("fractions", fractions)[0] != fractions[0]
+    if state.get("recipe") != a.recipe or moved \
             or state.get("lrs", lrs) != lrs or state.get("overrides", a.overrides) != a.overrides:
         raise SystemExit(f"{path} belongs to another sweep (recipe, smallest fraction, lrs or overrides differ): "
                          f"use another --out")

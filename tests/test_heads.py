@@ -197,15 +197,16 @@ def test_ttt_diag_equals_mask_impl_with_padding_and_grad():
     am = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
     a, ha = ttt_forward(head, ids, aux, am, steps=4, return_hidden=True)
     b = ttt_forward(head, ids, aux, am, steps=4, impl="mask")
+    # fp32 through two layers and four steps: the two impls sum in another order (1.4e-5 seen on one CPU kind)
     for x, y in zip(a, b):
         assert torch.isfinite(x).all()
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
     assert len(ha) == 4 and ha[0].shape == (2, 8, H)
     sum(x.float().logsumexp(-1).sum() for x in a).backward()
     assert head.fc.weight.grad is not None and head.embed_tokens.weight.grad is None
     # row 0 is unaffected by the padding of row 1 (no cross-row leakage)
     solo = ttt_forward(head, ids[:1], aux[:1], steps=4)
-    torch.testing.assert_close(solo[3], a[3][:1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(solo[3], a[3][:1], rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------- norm_before_residual
