@@ -56,7 +56,7 @@ if [ -n "${SMALL:-}" ]; then
        data.regenerate.max_prompt_tokens=256 vocab.draft_vocab_size=4096 train.epochs=1 train.ttt_steps=2
        train.max_tokens_per_batch=2048 train.eval_every=4 train.eval_fraction=0.1 train.precision=fp32
        eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4 dump.batch_tokens=4096)
-  FRACTIONS=0.5,1; LATE_FRACTIONS=0.5,0.75,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; AF=0.5
+  [ "$FRACTIONS" = 1 ] || FRACTIONS=0.5,1; LATE_FRACTIONS=0.5,0.75,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; AF=0.5
 fi
 T0=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
