@@ -110,3 +110,34 @@ def test_chat_continuous_multi_turn_equals_one_at_a_time(tiny):
     s4, _ = chat_generate(engine, tiny.tokenizer, convs, batch_size=4, continuous=True, temperature=0.8, seed=3, **kw)
     s8, _ = chat_generate(engine, tiny.tokenizer, convs, batch_size=8, continuous=True, temperature=0.8, seed=3, **kw)
     assert [r.messages for r in s4] == [r.messages for r in s8]
+
+
+
+def test_a_kv_cache_larger_than_the_device_is_refused_naming_the_batch_size(tiny, tiny_target_dir, tmp_path,
+                                                                             monkeypatch):
+    """On an 80 GB card the H200 recipe's 1,024 regeneration rows asked torch for 2 x 61 GiB of KV cache and died
+    with a bare CUDA OutOfMemoryError (2026-12-06): the cache is sized and checked before it is allocated, and
+    the error names data.regenerate.batch_size and the largest batch that fits."""
+    import torch
+
+    from specheads.runtime import model as engine_model
+    from specheads.runtime.model import KVCacheTooLarge, check_kv_cache_fits
+
+    prompts = _prompt_file(tmp_path)
+    monkeypatch.setattr(engine_model, "free_device_bytes", lambda device: 1000)
+    with pytest.raises(RegenerateError, match=r"data.regenerate.batch_size=3: the KV cache for 3 rows of \d+ tokens "
+                                              r".* 0 rows would fit\. .*not one row fits: lower those"):
+        run_regenerate(_recipe(tmp_path, (tiny_target_dir, prompts)), target=tiny)
+    assert not (tmp_path / "data" / "regenerated.jsonl").exists() or \
+        (tmp_path / "data" / "regenerated.jsonl").read_text() == ""
+
+    # the arithmetic: K and V of every layer, slots rounded up to 16, the dtype's bytes, 90% of what is free
+    layers, heads, seq, dim = 6, 2, 100, 32
+    per_row = 2 * layers * heads * engine_model.round_up(seq) * dim * 2
+    monkeypatch.setattr(engine_model, "free_device_bytes", lambda device: int(2.5 * per_row / 0.9))
+    check_kv_cache_fits(layers, 2, heads, seq, dim, torch.bfloat16, "cuda")
+    with pytest.raises(KVCacheTooLarge, match="2 rows would fit") as e:
+        check_kv_cache_fits(layers, 3, heads, seq, dim, torch.bfloat16, "cuda")
+    assert (e.value.fits, e.value.needed) == (2, 3 * per_row)
+    monkeypatch.undo()
+    check_kv_cache_fits(layers, 10 ** 6, heads, seq, dim, torch.float32, "cpu")  # host memory is not checked

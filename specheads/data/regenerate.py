@@ -71,7 +71,7 @@ def run_regenerate(recipe, target=None) -> dict:
     from tqdm import tqdm
 
     from specheads.runtime.chat import chat_generate
-    from specheads.runtime.model import TargetModel
+    from specheads.runtime.model import KVCacheTooLarge, TargetModel
     from specheads.target import load_target_for
 
     g = recipe.data.regenerate
@@ -97,7 +97,16 @@ def run_regenerate(recipe, target=None) -> dict:
         head, _meta = load_head_for(g.head, target)
         drafter = drafter_for_head(head.to(device=target.device, dtype=dtype).eval())
         drafter = drafter.compile() if g.compile else drafter
-    engine = TargetModel.from_hf(target.model, max_batch=g.batch_size, max_seq=max_seq, dtype=dtype)
+    try:
+        engine = TargetModel.from_hf(target.model, max_batch=g.batch_size, max_seq=max_seq, dtype=dtype)
+    except KVCacheTooLarge as e:
+        # every row's cache holds the longest conversation: 1024 rows of 5,536 tokens took 122 GiB for SmolLM2
+        fix = (f"set data.regenerate.batch_size <= {e.fits} or lower those" if e.fits else
+               "not one row fits: lower those")
+        raise RegenerateError(
+            f"data.regenerate.batch_size={g.batch_size}: {e}. Each row holds the longest conversation ({max_turns} "
+            f"turn(s) of up to data.regenerate.max_prompt_tokens={g.max_prompt_tokens} prompt and "
+            f"data.regenerate.max_new_tokens={g.max_new_tokens} new tokens): {fix}") from None
     if g.compile:
         engine.compile_layers()
     sampling = g.temperature > 0

@@ -558,7 +558,7 @@ def run_synthesize(recipe, target=None) -> dict:
     import torch
     from tqdm import tqdm
 
-    from specheads.runtime.model import TargetModel
+    from specheads.runtime.model import KVCacheTooLarge, TargetModel
     from specheads.target import load_target_for, load_tokenizer_for
 
     cfg = recipe.data.synthesize
@@ -590,8 +590,13 @@ def run_synthesize(recipe, target=None) -> dict:
 
     limit = int(getattr(target.config, "max_position_embeddings", 8192) or 8192)
     max_seq = _max_seq(cfg, prefix_len, documents is not None, limit)
-    engine = TargetModel.from_hf(target.model, max_batch=cfg.batch_size, max_seq=max_seq,
-                                 dtype=getattr(torch, cfg.dtype) if cfg.dtype else None)
+    try:
+        engine = TargetModel.from_hf(target.model, max_batch=cfg.batch_size, max_seq=max_seq,
+                                     dtype=getattr(torch, cfg.dtype) if cfg.dtype else None)
+    except KVCacheTooLarge as e:
+        fix = f"set data.synthesize.batch_size <= {e.fits}, or lower" if e.fits else "not one row fits: lower"
+        raise SynthesizeError(f"data.synthesize.batch_size={cfg.batch_size}: {e}: {fix} "
+                              f"data.synthesize.max_new_tokens, turns or copy_tasks.document_tokens") from None
     if cfg.compile:
         engine.compile_layers()
     writer = _Writer(engine, tokenizer, cfg, recipe.seed, stops)

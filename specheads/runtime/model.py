@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specheads import kernels
+from specheads.errors import SpecheadsError
 from specheads.heads.config import rope_from_config  # one RoPE config parser and
 from specheads.heads.layers import rope_inv_freq     # one RoPE implementation for heads and engine
 
@@ -194,11 +195,47 @@ def prefill_attention(model: "TargetModel"):
     return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+class KVCacheTooLarge(SpecheadsError, MemoryError):
+    """The static KV cache for ``max_batch`` rows of ``max_seq`` slots does not fit the device's free memory.
+    ``fits`` is the largest batch that would (0: not even one row). Stages re-raise it naming their setting."""
+
+    def __init__(self, message: str, needed: int, free: int, fits: int):
+        super().__init__(message)
+        self.needed, self.free, self.fits = needed, free, fits
+
+
+def free_device_bytes(device) -> int | None:
+    """Free memory of a CUDA device (None elsewhere: host memory is not checked)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def check_kv_cache_fits(num_layers, batch, kv_heads, max_seq, head_dim, dtype, device, headroom: float = 0.9):
+    """Refuse, before allocating, a KV cache (K and V) larger than ``headroom`` of the device's free memory:
+    ``torch.zeros`` would fail half-way with a bare OutOfMemoryError that names no setting. The engine's
+    activations and logits need the rest."""
+    free = free_device_bytes(device)
+    if free is None:
+        return
+    per_row = 2 * num_layers * kv_heads * round_up(max_seq) * head_dim * torch.empty(0, dtype=dtype).element_size()
+    if per_row * batch <= headroom * free:
+        return
+    fits = int(headroom * free // per_row)
+    gib = 2 ** 30
+    raise KVCacheTooLarge(
+        f"the KV cache for {batch} rows of {max_seq} tokens ({num_layers} layers, {dtype}) needs "
+        f"{per_row * batch / gib:.1f} GiB, but {torch.device(device)} has {free / gib:.1f} GiB free: "
+        f"{fits} rows would fit", per_row * batch, free, fits)
+
+
 class KVCache:
     """Static cache for ``num_layers`` layers; ``lengths[b]`` = valid slots of row b.
     ``slots`` (allocated) = ``max_seq`` rounded up to a multiple of 16."""
 
     def __init__(self, num_layers, batch, kv_heads, max_seq, head_dim, dtype, device):
+        check_kv_cache_fits(num_layers, batch, kv_heads, max_seq, head_dim, dtype, device)
         self.slots = round_up(max_seq)
         shape = (num_layers, batch, kv_heads, self.slots, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
