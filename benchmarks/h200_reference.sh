@@ -33,6 +33,7 @@ DEVICE=${DEVICE:-cuda}
 S="python3 -m specheads.cli"
 OV=(run_dir=$RUN target.device=$DEVICE "data.sources.6.path=$RUN/data/synthesized.jsonl")
 # 2e-3: the 2026-12-02 sweep's choice (5e-4 / 1e-3 / 2e-3 on 10% of the rows: held-out τ 1.32 / 1.39 / 1.42)
+GIVEN_FRACTIONS=${FRACTIONS:-}; GIVEN_LATE=${LATE_FRACTIONS:-}
 FRACTIONS=${FRACTIONS:-0.1,1}; LATE_FRACTIONS=${LATE_FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-2e-3}
 AF=${ABLATION_FRACTION:-0.1}; BATCHES=1,8,48; NEW=128
 SHAPES=${SHAPES:-64x512,128x256}; VL=80; GL=64; TRAIN_MODES=${TRAIN_MODES:-eager}
@@ -56,7 +57,7 @@ if [ -n "${SMALL:-}" ]; then
        data.regenerate.max_prompt_tokens=256 vocab.draft_vocab_size=4096 train.epochs=1 train.ttt_steps=2
        train.max_tokens_per_batch=2048 train.eval_every=4 train.eval_fraction=0.1 train.precision=fp32
        eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4 dump.batch_tokens=4096)
-  [ "$FRACTIONS" = 1 ] || FRACTIONS=0.5,1; LATE_FRACTIONS=0.5,0.75,1; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; AF=0.5
+  FRACTIONS=${GIVEN_FRACTIONS:-0.5,1}; LATE_FRACTIONS=${GIVEN_LATE:-0.5,0.75,1}; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; AF=0.5
 fi
 T0=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
@@ -116,16 +117,19 @@ if LIMIT=${SWEEP_LIMIT:-900} stage sweep python3 benchmarks/sweep_reference.py $
 print(s['final']['train_dir'], s['best_lr'])")
   SWEEP_OV=("${OV[@]}")  # a later pass of the sweep must name the same overrides
   OV+=(train.out=$FINAL train.lr=$LR)
-  # 3. the goals
-  stage export $S export $R "${OV[@]}"
-  stage eval_mixed $S eval $R "${OV[@]}" eval.out=$RUN/eval_mixed
-  stage eval_vicuna $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
-    eval.limit=$VL eval.out=$RUN/eval_vicuna
-  stage eval_gsm8k $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
-    eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
-  summary
+  # 3. the goals. NO_EVALS=1 (with 4) leaves them out: a sitting for the ablations and the curve alone, e.g.
+  # FRACTIONS=0.1 LATE_FRACTIONS=0.1,0.3 NO_EVALS=1 runs the data stages, the 10% run, the variants and the 30% point
+  if [ -z "${NO_EVALS:-}" ]; then
+    stage export $S export $R "${OV[@]}"
+    stage eval_mixed $S eval $R "${OV[@]}" eval.out=$RUN/eval_mixed
+    stage eval_vicuna $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
+      eval.limit=$VL eval.out=$RUN/eval_vicuna
+    stage eval_gsm8k $S eval $R "${OV[@]}" eval.prompts=data/gsm8k_train.jsonl eval.split=holdout \
+      eval.limit=$GL eval.out=$RUN/eval_gsm8k_holdout
+    summary
+  fi
   # 4. the head at k = 5, sampled at temperature 0.7 (one-hot vs rejection), a tree
-  if [ -z "${NO_EXTRAS:-}" ] && fits $EST_EXTRAS; then
+  if [ -z "${NO_EVALS:-}" ] && [ -z "${NO_EXTRAS:-}" ] && fits $EST_EXTRAS; then
     LIMIT=150 stage eval_k5 $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl \
       eval.split=all eval.limit=$VL eval.out=$RUN/eval_extras eval.compare=[] --k 5
     LIMIT=150 stage eval_t07 $S eval $R "${OV[@]}" eval.prompts=data/vicuna_bench_questions.jsonl eval.split=all \
