@@ -100,8 +100,9 @@ stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}
 DUMP_DTYPE=$(python3 -c "
 import json, shutil, sys
 from specheads.dump.store import bytes_per_token
-n = json.load(open('$RUN/data/rows/summary.json'))['tokens']
-need = n * bytes_per_token('bfloat16', 3, 576) / 1e9
+rows = json.load(open('$RUN/data/rows/summary.json'))
+n = rows['tokens']
+need = n * bytes_per_token('bfloat16', 3, rows['target']['hidden_size']) / 1e9  # EAGLE-3's three aux layers
 free = shutil.disk_usage('.').free / 1e9
 print('bfloat16' if need + $DISK_MARGIN_GB <= free else 'fp8')
 print(f'dump: {n:,} tokens, bf16 needs {need:.1f} GB, {free:.1f} GB free', file=sys.stderr)" 2>> "$OUT/timeline.txt")

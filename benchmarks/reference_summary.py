@@ -84,21 +84,12 @@ def category_check(mixed: dict) -> dict:
 
 
 def ablation(root: Path) -> dict:
-    """The ablation heads' training figures (held-out τ, tokens/s) and the online-vs-offline comparison."""
-    from specheads.train.run_log import read_metrics
+    """The ablation heads' training figures (held-out τ, tokens/s: the sweep's own) and the online-vs-offline
+    comparison."""
+    from sweep_reference import figures  # beside this file
 
-    out = {}
-    for d in sorted(Path(root).glob("train_*")):
-        rows = read_metrics(d) if (d / "metrics.jsonl").exists() else []
-        evals = [r for r in rows if r.get("split") == "eval"]
-        train = [r for r in rows if r.get("split") == "train"]
-        out[d.name[len("train_"):]] = {
-            "train_dir": str(d), "heldout_sim_tau": evals[-1]["sim_tau"] if evals else None,
-            "heldout_step_acc": evals[-1]["step_acc"] if evals else None,
-            "train_tokens": sum(int(r.get("tokens", 0)) for r in train),
-            "train_tokens_per_s": (sum(r["tokens_per_s"] for r in train[-20:]) / len(train[-20:])) if train else None}
-    comparison = _load(Path(root) / "online_vs_offline.json")
-    return {"heads": out, "online_vs_offline": comparison}
+    heads = {d.name[len("train_"):]: {"train_dir": str(d), **figures(d)} for d in sorted(Path(root).glob("train_*"))}
+    return {"heads": heads, "online_vs_offline": _load(Path(root) / "online_vs_offline.json")}
 
 
 def timeline(path: Path | None) -> dict:

@@ -16,8 +16,8 @@ Writes ``OUT/sweep.json`` (runs, best lr, the full-data run's directory), ``OUT/
     python benchmarks/sweep_reference.py recipes/smollm2_eagle3_h200.yaml --out runs/x/sweep \\
         --fractions 0.1,0.3,1 --lrs 3e-4,1e-3,3e-3 [overrides ...]
 
-A second call with more ``--fractions`` (the same smallest one, rates and overrides) adds their runs to
-the same ``sweep.json`` and plot.
+A second call with more ``--fractions`` (the same rates and overrides; with several rates, the same smallest
+share) adds their runs to the same ``sweep.json`` and plot.
 """
 from __future__ import annotations
 
@@ -38,18 +38,25 @@ def run_name(fraction: float, lr: float) -> str:
     return f"f{fraction:g}_lr{lr:g}"
 
 
-def score(train_dir: Path) -> dict:
-    """Held-out τ and loss of the run's last eval, and the training tokens it saw."""
-    rows = read_metrics(train_dir)
+def figures(train_dir: Path) -> dict:
+    """Held-out τ and loss of the run's last eval (None before its first), the training tokens it saw and its
+    tokens/s over the last 20 logged windows (also read by reference_summary.py for the ablation heads)."""
+    rows = read_metrics(train_dir) if (Path(train_dir) / "metrics.jsonl").exists() else []
     evals = [r for r in rows if r.get("split") == "eval"]
-    if not evals:
-        raise SystemExit(f"{train_dir}: no held-out eval row in metrics.jsonl (is train.eval_fraction > 0?)")
-    last = evals[-1]
-    tokens = sum(int(r.get("tokens", 0)) for r in rows if r.get("split") == "train")
     train = [r for r in rows if r.get("split") == "train"]
-    return {"heldout_sim_tau": last["sim_tau"], "heldout_loss": last["loss"], "heldout_step_acc": last["step_acc"],
-            "step": last["step"], "train_tokens": tokens,
+    last = evals[-1] if evals else {}
+    return {"heldout_sim_tau": last.get("sim_tau"), "heldout_loss": last.get("loss"),
+            "heldout_step_acc": last.get("step_acc"), "step": last.get("step"),
+            "train_tokens": sum(int(r.get("tokens", 0)) for r in train),
             "train_tokens_per_s": (sum(r["tokens_per_s"] for r in train[-20:]) / len(train[-20:])) if train else None}
+
+
+def score(train_dir: Path) -> dict:
+    """:func:`figures` of a finished run, which must have a held-out eval."""
+    f = figures(train_dir)
+    if f["heldout_sim_tau"] is None:
+        raise SystemExit(f"{train_dir}: no held-out eval row in metrics.jsonl (is train.eval_fraction > 0?)")
+    return f
 
 
 def train_one(recipe: str, out: Path, fraction: float, lr: float, overrides: list[str], done: dict) -> dict:

@@ -219,7 +219,7 @@ def check_kv_cache_fits(num_layers, batch, kv_heads, max_seq, head_dim, dtype, d
     free = free_device_bytes(device)
     if free is None:
         return
-    per_row = 2 * num_layers * kv_heads * round_up(max_seq) * head_dim * torch.empty(0, dtype=dtype).element_size()
+    per_row = 2 * num_layers * kv_heads * round_up(max_seq) * head_dim * dtype.itemsize
     if per_row * batch <= headroom * free:
         return
     fits = int(headroom * free // per_row)
