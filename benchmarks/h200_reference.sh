@@ -6,20 +6,22 @@
 #   3. export the full-data head -> eval on the mixed set, Vicuna and held-back gsm8k (head, n-gram, hybrid)
 #      -> benchmarks/results/reference.json (written now, and again at the end)
 #   4. EXTRAS: the head at k = 5, at temperature 0.7 (one-hot vs rejection) and with a tree, on Vicuna
-#   5. ABLATIONS, each on the 10% rows like step 2's first run, all side by side on held-back gsm8k: TTT 1, EAGLE-1,
-#      MTP, and the same TTT-7 head trained online (the target inside the trainer; its loss curve against the
-#      offline run's, compare_loss_curves.py)
+#   5. ABLATIONS, all side by side on held-back gsm8k: TTT 1, EAGLE-1, MTP and the same TTT-7 head trained online
+#      (the target inside the trainer; its loss curve against the offline run's, compare_loss_curves.py), each on
+#      the 10% rows like step 2's first run; regenerated vs original answers and bf16 vs fp8 states, on the prompts
+#      of gsm8k and the code sets (which come with answers of their own)
 #   6. the 30% run, so that held-out τ against training tokens has three points (10%, 30%, 100%)
-#   7. the training step benchmark (the Llama-8B-shaped head's MFU, the SmolLM2 head at fixed shapes)
-#   8. RUNTIME=1: bench_runtime with this head
-# Each of 4-8 starts only if its estimated seconds still fit in BUDGET_S from the run's start (the lent GPU's 30
+#   7. the 10% head trained through torch.compile (the trainer's tokens/s on length buckets)
+#   8. the training step benchmark (the Llama-8B-shaped head's MFU, the SmolLM2 head at fixed shapes)
+#   9. RUNTIME=1: bench_runtime with this head
+# Each of 4-9 starts only if its estimated seconds still fit in BUDGET_S from the run's start (the lent GPU's 30
 # minutes hold the machine's start, two calls to carry the GGUF and the polls too).
 # Expects: the GGUF at $GGUF (default /tmp/smol/SmolLM2-135M-Instruct.Q4_1.gguf), the prompt files of
 # ../shared/data under ./data, and the project's dependencies importable. Writes to ${OUT:-out}.
 # Every stage resumes: a second run after a kill continues where the first stopped.
 # The dump is bf16 unless that would leave less than DISK_MARGIN_GB free, then fp8 (said in the timeline).
 # SMALL=1 shrinks every count (CPU smoke test of this script: DEVICE=cpu SMALL=1). GPU_TESTS=1 runs the CUDA tests
-# of the trainer and serving loop first; TRAIN_BENCH=1 the training step benchmark first (not at 7). FRACTIONS and LRS override the
+# of the trainer and serving loop first; TRAIN_BENCH=1 the training step benchmark first (not at 8). FRACTIONS and LRS override the
 # sweep's first pass (LRS=1e-3,2e-3,4e-3 sweeps the rate on the smallest share first), COMPILE=1 and EXTRA_OV below.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -67,7 +69,8 @@ fits() { local e=$(( $(date +%s) - T0 )); [ $(( e + $1 )) -le ${BUDGET_S:-1380} 
 # the small reports so far, refreshed after every stage: a lent machine can go back at any call, and
 # $OUT is what one call brings back, so a run cut short keeps every stage it finished
 reports() { tar czf "$1" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/train_*/metrics.jsonl \
-  $RUN/ablation/*.json $RUN/ablation/*.png $RUN/ablation/train_*/profile.txt $RUN/sweep*/sweep.* $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl \
+  $RUN/ablation/*.json $RUN/ablation/*.png $RUN/ablation/answers/*.json $RUN/ablation/answers/*/summary.json \
+  $RUN/ablation/answers/*/vocab.json $RUN/ablation/answers/*/manifest.json $RUN/ablation/train_*/profile.txt $RUN/sweep*/sweep.* $RUN/sweep*/*.png $RUN/sweep*/*/metrics.jsonl \
   $RUN/sweep*/*/profile.txt $RUN/sweep*/*/*.png $RUN/data/*summary*.json $RUN/data/*.png $RUN/data/rows/summary.json \
   $RUN/vocab/vocab.json $RUN/dump/manifest.json $RUN/export/speculators/config.json $RUN/export/speculators/README.md \
   2>/dev/null; }
@@ -140,9 +143,9 @@ print(s['final']['train_dir'], s['best_lr'])")
   fi
   # 5. issue 13's comparisons on the same rows, each trained on the AF share at the chosen lr like the sweep's TTT-7
   # run of that share, then all exported and run side by side on held-back gsm8k (one target load, one plain
-  # baseline): TTT 1, EAGLE-1, MTP, the TTT-7 head trained online, and trained through torch.compile on length
-  # buckets (the trainer's tokens/s once each bucket's shape is compiled). ABLATION_VARIANTS="name:seconds:key=value;
-  # key=value ..." replaces the list (seconds: the variant's expected time; the sweep's run leads)
+  # baseline): TTT 1, EAGLE-1, MTP, the answers and states heads (below), the TTT-7 head trained online.
+  # ABLATION_VARIANTS="name:seconds:key=value;key=value ..." replaces the list (seconds: the variant's expected
+  # time, its data stages included; the sweep's run leads; the first that does not fit ends the list)
   # (FRACTIONS=1 skips the 10% run at first: it is trained here, before the variants, when time is left)
   base() { python3 -c "import json; s = json.load(open('$SW/sweep.json')); \
 print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 and r['lr'] == s['best_lr']))" 2>/dev/null; }
@@ -151,16 +154,33 @@ print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 
       "${SWEEP_OV[@]}"; }; }; then
     BASE=$(base)
     AB=$RUN/ablation; HEADS=()
+    # regenerated vs original answers and bf16 vs fp8 states need answers of the same prompts from the sources
+    # themselves: the prompts of gsm8k and the two code sets (their own answers, by people or other models), answered
+    # a second time by the target; these three heads train on all of those rows, each with its own rows, vocabulary
+    # and dump under $ANS, and are compared with each other (the others are trained on the AF share of the main rows)
+    ANS=$AB/answers; AL=(1500 1000 1000); [ -n "${SMALL:-}" ] && AL=(12 8 8)
+    SRC="data.sources=[{path: data/gsm8k_train.jsonl, limit: ${AL[0]}}, {path: data/new_codealpaca.json, limit: ${AL[1]}}, {path: data/code_alpaca_2k.json, limit: ${AL[2]}}]"
+    REGEN="$SRC;data.regenerate.out=$ANS/regenerated.jsonl;data.rows_dir=$ANS/rows_regenerated;vocab.out=$ANS/vocab_regenerated;train.data_fraction=1"
+    # the data stages a variant runs before it trains (the others read the main rows and dump)
+    declare -A PREP=([answers_regenerated]="regenerate prepare vocab dump" [answers_original]="prepare vocab dump" \
+                     [states_fp8]="dump")
     for v in "eagle3_ttt7:0:" ${ABLATION_VARIANTS:-"eagle3_ttt1:60:train.ttt_steps=1" \
              "eagle1:60:head.kind=eagle1;head.fc_bias=false;export.format=eagle" "mtp:60:head.kind=mtp;export.format=mtp" \
-             "eagle3_ttt7_online:100:dump.mode=online" \
-             "eagle3_ttt7_compiled:240:train.compile=true;train.length_buckets=[256,512,1024,2048]"}; do
+             "answers_regenerated:150:$REGEN;dump.dir=$ANS/dump_regenerated;dump.dtype=bfloat16" \
+             "answers_original:100:$SRC;data.regenerate.enabled=false;data.rows_dir=$ANS/rows_original;vocab.out=$ANS/vocab_original;dump.dir=$ANS/dump_original;dump.dtype=bfloat16;train.data_fraction=1" \
+             "states_fp8:70:$REGEN;dump.dir=$ANS/dump_regenerated_fp8;dump.dtype=fp8" \
+             "eagle3_ttt7_online:100:dump.mode=online"}; do
       name=${v%%:*}; rest=${v#*:}; est=${rest%%:*}; o=${rest#*:}; vo=(); [ -n "$o" ] && IFS=';' read -ra vo <<< "$o"
       TD=$AB/train_$name
       [ $name = eagle3_ttt7 ] && TD=$BASE
       if [ $name != eagle3_ttt7 ]; then
         fits $(( est + EST_ABLATION_EVAL )) || break
-        LIMIT=300 stage "ablation_train_$name" $S train $R "${OV[@]}" train.data_fraction=$AF \
+        ok=1
+        for st in ${PREP[$name]:-}; do
+          cmd=($st); [ $st = regenerate ] || [ $st = prepare ] && cmd=(data $st)
+          stage "ablation_${st}_$name" $S "${cmd[@]}" $R "${OV[@]}" ${vo[@]+"${vo[@]}"} || { ok=; break; }
+        done
+        [ -n "$ok" ] && LIMIT=300 stage "ablation_train_$name" $S train $R "${OV[@]}" train.data_fraction=$AF \
           train.out=$TD train.resume=$([ -d $TD/checkpoints ] && echo true || echo false) ${vo[@]+"${vo[@]}"} || continue
       fi
       stage "ablation_export_$name" $S export $R "${OV[@]}" ${vo[@]+"${vo[@]}"} train.out=$TD export.out=$AB/$name \
@@ -176,11 +196,18 @@ print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 
   # 6. the curve's middle point
   fits $EST_LATE && LIMIT=400 stage sweep_late python3 benchmarks/sweep_reference.py $R --out $SW \
     --fractions $LATE_FRACTIONS --lrs $LRS "${SWEEP_OV[@]}"
-  # 7. the training step benchmark: the Llama-8B-shaped head's MFU and the SmolLM2 head at fixed shapes
+  # 7. the TTT-7 head of the AF share trained through torch.compile on length buckets: the trainer's tokens/s once
+  # each bucket's shape is compiled (its held-out τ in reference.json beside the other variants')
+  CD=$RUN/ablation/train_eagle3_ttt7_compiled
+  [ -z "${NO_ABLATIONS:-}" ] && [ -n "${BASE:-}" ] && fits ${EST_COMPILED:-240} && LIMIT=400 stage \
+    ablation_train_eagle3_ttt7_compiled $S train $R "${OV[@]}" train.data_fraction=$AF train.out=$CD \
+    train.resume=$([ -d $CD/checkpoints ] && echo true || echo false) train.compile=true \
+    "train.length_buckets=[256,512,1024,2048]"
+  # 8. the training step benchmark: the Llama-8B-shaped head's MFU and the SmolLM2 head at fixed shapes
   [ -z "${TRAIN_BENCH:-}" ] && [ $DEVICE = cuda ] && fits ${EST_TRAIN_BENCH:-100} && LIMIT=240 stage bench_train python3 \
     benchmarks/bench_train.py --smollm2-device $DEVICE --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES \
     --out "$OUT/bench_train.json"
-  # 8. the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs
+  # 9. the runtime at batch 1, 8 and 48 with this head: the compiled engine (bf16, CUDA graphs), fastest of 3 runs
   [ -n "${RUNTIME:-}" ] && fits $EST_RUNTIME && LIMIT=600 stage bench_runtime python3 benchmarks/bench_runtime.py \
     --device $DEVICE --cuda-graphs --batches $BATCHES --new-tokens $NEW --head $RUN/export/speculators \
     --engines compiled --drafters ${RUNTIME_DRAFTERS:-plain,ngram,head,hybrid} --repeat ${REPEAT:-3} \

@@ -89,7 +89,18 @@ def ablation(root: Path) -> dict:
     from sweep_reference import figures  # beside this file
 
     heads = {d.name[len("train_"):]: {"train_dir": str(d), **figures(d)} for d in sorted(Path(root).glob("train_*"))}
-    return {"heads": heads, "online_vs_offline": _load(Path(root) / "online_vs_offline.json")}
+    # what the answers and states heads trained on: the rows from the sources' own answers against the target's,
+    # and each dump's dtype and size
+    answers = {}
+    for d in sorted((Path(root) / "answers").glob("*")):
+        rows, manifest = _load(d / "summary.json"), _load(d / "manifest.json")
+        if rows:
+            answers[d.name] = {k: rows.get(k) for k in ("rows", "tokens", "masked_tokens", "holdout", "truncated")}
+        elif manifest:
+            counts = manifest.get("counts") or {}
+            answers[d.name] = {"dtype": manifest.get("dtype"), "tokens": counts.get("tokens"),
+                               "bytes": counts.get("bytes")}
+    return {"heads": heads, "answers": answers, "online_vs_offline": _load(Path(root) / "online_vs_offline.json")}
 
 
 def timeline(path: Path | None) -> dict:
