@@ -112,3 +112,29 @@ def test_device_call_lays_out_the_carried_prompt_files(tmp_path):
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == '{"question_id": 1, "turns": ["hi"]}'
         assert (repo / "data").resolve() == (tmp_path / "device" / "data").resolve()
+
+
+def test_reference_summary_reads_the_ablation_heads_and_their_data(tmp_path):
+    import sys
+    sys.path.insert(0, str(REPO / "benchmarks"))  # reference_summary imports sweep_reference beside it
+    mod = _load("reference_summary")
+    ab = tmp_path / "ablation"
+    for name, tau in (("eagle3_ttt1", 1.5), ("answers_original", 1.2)):
+        (ab / f"train_{name}").mkdir(parents=True)
+        rows = [{"split": "train", "step": 1, "loss": 3.0, "tokens": 1000, "tokens_per_s": 50.0},
+                {"split": "eval", "step": 1, "loss": 2.0, "sim_tau": tau}]
+        (ab / f"train_{name}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (ab / "answers" / "rows_original").mkdir(parents=True)
+    (ab / "answers" / "rows_original" / "summary.json").write_text(json.dumps(
+        {"rows": 25, "tokens": 4186, "masked_tokens": 2267, "holdout": 3, "truncated": 0, "sources": {}}))
+    (ab / "answers" / "dump_regenerated_fp8").mkdir()
+    (ab / "answers" / "dump_regenerated_fp8" / "manifest.json").write_text(json.dumps(
+        {"dtype": "fp8", "counts": {"tokens": 2743, "bytes": 6378443, "rows": 25}}))
+    (ab / "answers" / "regenerated.jsonl").write_text("")  # a file beside the directories is not a data set
+    res = mod.ablation(ab)
+    assert res["heads"]["answers_original"]["heldout_sim_tau"] == 1.2
+    assert res["heads"]["eagle3_ttt1"]["train_tokens"] == 1000
+    assert res["answers"] == {"dump_regenerated_fp8": {"dtype": "fp8", "tokens": 2743, "bytes": 6378443},
+                              "rows_original": {"rows": 25, "tokens": 4186, "masked_tokens": 2267, "holdout": 3,
+                                                "truncated": 0}}
+    assert res["online_vs_offline"] is None
