@@ -133,6 +133,12 @@ class DumpConfig(_Section):
     dir: str | None = None  # default: {run_dir}/dump
     batch_tokens: int = 16384  # tokens per target forward (rows are length-sorted)
     shard_tokens: int = 262144  # tokens per shard file
+    # the target's matmuls while it computes the states, offline and online (autocast; None: target.dtype). An
+    # fp32 target's forward ran at 70-91k tok/s on an H100 (GEMMs without tensor cores), the dump's and online
+    # training's bound (2026-12-06). bf16 states differ from fp32 ones by less than fp8 storage rounds them, and
+    # fp8 states trained a head as good as bf16 ones (τ 1.78 both, BENCHMARKS.md fifteenth sitting). The eval
+    # and its lossless checks keep target.dtype.
+    compute_dtype: Literal["bfloat16", "float32"] | None = None
 
 
 class LoraConfig(_Section):

@@ -204,13 +204,15 @@ class Target:
 
     # --- forward ------------------------------------------------------------------------------
     @torch.no_grad()
-    def hidden_states(self, input_ids, attention_mask=None, aux_layer_ids=None):
+    def hidden_states(self, input_ids, attention_mask=None, aux_layer_ids=None, compute_dtype=None):
         """Aux states by the HF hidden-state index convention and the final-normed state.
 
         Returns ``aux [B, T, n_aux*H]`` (concatenated in the given order) and
         ``final [B, T, H]``. Runs the base model only: the lm_head is not
         needed (the trainer recomputes target logits from ``final``), and
         hooks capture just the requested layers instead of all L+1 states.
+        ``compute_dtype`` (a torch dtype or its name) other than the weights' runs the forward under
+        autocast: matmuls and attention in that dtype, norms and the residual stream as the weights.
         """
         ids = self.aux_layer_ids(aux_layer_ids, where="aux_layer_ids")
         captured: dict[int, torch.Tensor] = {}
@@ -221,8 +223,12 @@ class Target:
                 def pre_hook(_mod, args, kwargs, i=i):
                     captured[i] = args[0] if args else kwargs["hidden_states"]
                 handles.append(layers[i].register_forward_pre_hook(pre_hook, with_kwargs=True))
+        if isinstance(compute_dtype, str):
+            compute_dtype = getattr(torch, compute_dtype)
+        cast = compute_dtype is not None and compute_dtype != self.dtype
         try:
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            with torch.autocast(self.device.type, dtype=compute_dtype, enabled=cast):
+                out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         finally:
             for h in handles:
                 h.remove()

@@ -350,7 +350,8 @@ def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_si
             device = _device_for(recipe, int(os.environ.get("LOCAL_RANK", "0")))
             target = load_target_for(recipe, device=str(device), require_chat_template=False)
         online = OnlineFeed(target, rows if rows is not None else recipe.rows_dir,
-                            aux_layer_ids=_expected_layer_ids(recipe, target, None), dtype=dtype)
+                            aux_layer_ids=_expected_layer_ids(recipe, target, None), dtype=dtype,
+                            compute_dtype=recipe.dump.compute_dtype)
         source = _OnlineSource(online)
         info = {"target": target.identity(), "aux_layer_ids": online.aux_layer_ids,
                 "hidden_size": target.hidden_size, "dtype": str(target.dtype).replace("torch.", "")}

@@ -18,8 +18,10 @@ class OnlineFeed:
 
     kind = "online"
 
-    def __init__(self, target, rows, aux_layer_ids=None, dtype: torch.dtype | None = None):
+    def __init__(self, target, rows, aux_layer_ids=None, dtype: torch.dtype | None = None,
+                 compute_dtype: str | torch.dtype | None = None):
         self.target = target
+        self.compute_dtype = compute_dtype  # the forward under autocast (dump.compute_dtype), as the offline dump
         self.rows = TokenRows(rows)
         self.aux_layer_ids = target.aux_layer_ids(aux_layer_ids, where="head.aux_layer_ids")
         self.dtype = dtype
@@ -52,7 +54,8 @@ class OnlineFeed:
         device = self.target.device
         inp, loss, att = inp.to(device), loss.to(device), att.to(device)
         padded = bool(int(att.sum()) != att.numel())
-        aux, final = self.target.hidden_states(inp, att if padded else None, aux_layer_ids=self.aux_layer_ids)
+        aux, final = self.target.hidden_states(inp, att if padded else None, aux_layer_ids=self.aux_layer_ids,
+                                                 compute_dtype=self.compute_dtype)
         if padded:
             keep = att.unsqueeze(-1).to(aux.dtype)
             aux, final = aux * keep, final * keep

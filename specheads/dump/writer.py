@@ -145,6 +145,8 @@ def _header(target, layer_ids, recipe, rows_sha: str) -> dict:
         "target": {k: ident.get(k) for k in
                    ("name", "config_hash", "model_type", "num_layers", "hidden_size", "vocab_size", "adapter")},
         "target_dtype": str(target.dtype).replace("torch.", ""),
+        # what the forward's matmuls ran in (dump.compute_dtype, else the target's own dtype)
+        "compute_dtype": recipe.dump.compute_dtype or str(target.dtype).replace("torch.", ""),
         "aux_layer_ids": list(layer_ids),
         "dtype": recipe.dump.dtype,
         "max_length": int(recipe.data.max_length),
@@ -187,7 +189,7 @@ def _final_manifest(header: dict, records: list[dict]) -> dict:
 
 
 def _compute_shard(target, plan: ShardPlan, ids: np.ndarray, offsets: np.ndarray, layer_ids, stored: str,
-                   batch_tokens: int, device: torch.device, pbar) -> dict:
+                   batch_tokens: int, device: torch.device, pbar, compute_dtype: str | None = None) -> dict:
     """Run the target over one shard's rows; returns device buffers in shard row order."""
     n = int(offsets[-1])
     hid = target.hidden_size
@@ -216,7 +218,7 @@ def _compute_shard(target, plan: ShardPlan, ids: np.ndarray, offsets: np.ndarray
             dst.append(np.arange(o, o + ln))
         padded = bool(int(att.sum()) != att.numel())
         aux, final = target.hidden_states(
-            inp.to(device), att.to(device) if padded else None, aux_layer_ids=layer_ids
+            inp.to(device), att.to(device) if padded else None, aux_layer_ids=layer_ids, compute_dtype=compute_dtype
         )
         src_t = torch.from_numpy(np.concatenate(src)).to(device)
         dst_t = torch.from_numpy(np.concatenate(dst)).to(device)
@@ -404,7 +406,7 @@ def _open_store(root: Path, header: dict, dist: _Dist) -> dict | None:
     if any(errors):
         raise DumpError(next(e for e in errors if e))
     if existing is not None and dist.rank == 0:
-        for key in ("batch_tokens", "target_dtype"):
+        for key in ("batch_tokens", "target_dtype", "compute_dtype"):
             if existing.get(key) != header[key]:
                 log.warning("%s: the store was started with %s=%r, this run uses %r; shards computed "
                             "now may differ numerically from an uninterrupted run", root, key,
@@ -517,7 +519,8 @@ def _compute_and_write_shards(recipe, target, trows: TokenRows, todo: list[Shard
         for p in todo:
             ids, mask, off = trows.range(p.row_start, p.row_end)
             with torch.inference_mode():
-                bufs = _compute_shard(target, p, ids, off, layer_ids, stored, recipe.dump.batch_tokens, device, pbar)
+                bufs = _compute_shard(target, p, ids, off, layer_ids, stored, recipe.dump.batch_tokens, device, pbar,
+                                      recipe.dump.compute_dtype)
             event = None
             if device.type == "cuda":
                 event = torch.cuda.Event()
