@@ -197,9 +197,9 @@ print(next(r['train_dir'] for r in s['runs'] if abs(r['fraction'] - $AF) < 1e-9 
   fits $EST_LATE && LIMIT=400 stage sweep_late python3 benchmarks/sweep_reference.py $R --out $SW \
     --fractions $LATE_FRACTIONS --lrs $LRS "${SWEEP_OV[@]}"
   # 7. the TTT-7 head of the AF share trained through torch.compile on length buckets: the trainer's tokens/s once
-  # each bucket's shape is compiled (its held-out τ in reference.json beside the other variants')
+  # each bucket's shape is compiled (its held-out τ in reference.json beside the other variants'), NO_COMPILED=1: not
   CD=$RUN/ablation/train_eagle3_ttt7_compiled
-  [ -z "${NO_ABLATIONS:-}" ] && [ -n "${BASE:-}" ] && fits ${EST_COMPILED:-240} && LIMIT=400 stage \
+  [ -z "${NO_COMPILED:-}" ] && fits ${EST_COMPILED:-240} && LIMIT=400 stage \
     ablation_train_eagle3_ttt7_compiled $S train $R "${OV[@]}" train.data_fraction=$AF train.out=$CD \
     train.resume=$([ -d $CD/checkpoints ] && echo true || echo false) train.compile=true \
     "train.length_buckets=[256,512,1024,2048]"
