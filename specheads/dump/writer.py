@@ -139,14 +139,15 @@ def _device_for(recipe, local_rank: int) -> torch.device:
 
 def _header(target, layer_ids, recipe, rows_sha: str) -> dict:
     ident = target.identity()
+    target_dtype = str(target.dtype).replace("torch.", "")
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "target": {k: ident.get(k) for k in
                    ("name", "config_hash", "model_type", "num_layers", "hidden_size", "vocab_size", "adapter")},
-        "target_dtype": str(target.dtype).replace("torch.", ""),
+        "target_dtype": target_dtype,
         # what the forward's matmuls ran in (dump.compute_dtype, else the target's own dtype)
-        "compute_dtype": recipe.dump.compute_dtype or str(target.dtype).replace("torch.", ""),
+        "compute_dtype": recipe.dump.compute_dtype or target_dtype,
         "aux_layer_ids": list(layer_ids),
         "dtype": recipe.dump.dtype,
         "max_length": int(recipe.data.max_length),
