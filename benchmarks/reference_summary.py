@@ -103,6 +103,86 @@ def ablation(root: Path) -> dict:
     return {"heads": heads, "answers": answers, "online_vs_offline": _load(Path(root) / "online_vs_offline.json")}
 
 
+def add_sweep(summary: dict, sweep: dict) -> None:
+    """The first sweep names the head that was evaluated (its rate, its final run, the tokens/s goal); a later one
+    only adds runs, e.g. the 30% point trained after the evals."""
+    tr = summary.get("training")
+    if not tr:
+        summary["training"] = {"chosen_lr": sweep.get("best_lr"), "runs": list(sweep["runs"]),
+                               "final": sweep.get("final")}
+        tps = (sweep.get("final") or {}).get("train_tokens_per_s")
+        summary["goals"][f"train_tokens_per_s>={TRAIN_TOKENS_PER_S}"] = {
+            "value": tps, "met": tps is not None and tps >= TRAIN_TOKENS_PER_S}
+        return
+    known = {(r["name"], r.get("train_dir")) for r in tr["runs"]}
+    tr["runs"] += [r for r in sweep["runs"] if (r["name"], r.get("train_dir")) not in known]
+
+
+def curve_points(summary: dict, source: str) -> list[dict]:
+    """Held-out τ against training tokens, one point per sweep run, labelled with the rows its share was drawn
+    from: points of sittings on different data sets stay apart."""
+    if summary.get("curve"):
+        return summary["curve"]
+    rows = (summary.get("data") or {}).get("rows") or {}
+    return [{"data_rows": rows.get("rows"), "data_tokens": rows.get("tokens"), "fraction": r.get("fraction"),
+             "lr": r.get("lr"), "train_tokens": r.get("train_tokens"), "heldout_sim_tau": r.get("heldout_sim_tau"),
+             "heldout_loss": r.get("heldout_loss"), "date": summary.get("date"), "summary": source}
+            for r in (summary.get("training") or {}).get("runs") or []]
+
+
+def carry_over(summary: dict, earlier: dict, path: Path) -> None:
+    """Fill the eval sets this run did not measure and the ablations it did not train from an earlier summary,
+    each marked with where it came from."""
+    origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine")}
+
+    def marked(section: dict) -> dict:  # a section that already names its own summary keeps that origin
+        return section if {"carried_over", "summary_file"} & section.keys() else {"carried_over": origin, **section}
+
+    for name, es in (earlier.get("eval_sets") or {}).items():
+        mine = summary["eval_sets"].get(name)
+        if "drafters" in es and (mine is None or mine.get("not_run")):
+            summary["eval_sets"][name] = marked(es)
+    if earlier.get("ablation") and not summary.get("ablation"):
+        summary["ablation"] = marked(earlier["ablation"])
+
+
+def merge_curve(points: list[dict]) -> list[dict]:
+    """One point per data set, share and rate: the first summary that names it wins."""
+    seen, out = set(), []
+    for p in points:
+        key = (p.get("data_tokens"), p.get("fraction"), p.get("lr"))
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return sorted(out, key=lambda p: (p.get("data_tokens") or 0, p.get("train_tokens") or 0))
+
+
+def plot_curve(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for tokens in sorted({p["data_tokens"] for p in points}, key=lambda t: t or 0):
+        pts = sorted((p for p in points if p["data_tokens"] == tokens), key=lambda p: p["train_tokens"])
+        rows = pts[0].get("data_rows")
+        label = f"{rows:,} rows, {tokens / 1e6:.1f}M tokens" if rows and tokens else "unknown data set"
+        ax.plot([p["train_tokens"] for p in pts], [p["heldout_sim_tau"] for p in pts], "o-", label=label)
+        for p in pts:
+            ax.annotate(f"{p['fraction']:.0%}", (p["train_tokens"], p["heldout_sim_tau"]), textcoords="offset points",
+                        xytext=(4, -11), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens seen (5 epochs of the share)")
+    ax.set_ylabel("held-out simulated τ (7 TTT steps)")
+    ax.set_title("reference head: held-out τ against data")
+    ax.grid(alpha=0.3)
+    ax.legend(title="share of", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def timeline(path: Path | None) -> dict:
     if path is None or not Path(path).exists():
         return {}
@@ -134,47 +214,73 @@ def machine() -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--run", type=Path, required=True, help="the recipe's run_dir")
+    ap.add_argument("--run", type=Path, help="the recipe's run_dir")
+    ap.add_argument("--from-summary", type=Path, help="start from this summary instead of a run_dir")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--eval", action="append", default=[], metavar="NAME=DIR")
-    ap.add_argument("--sweep", type=Path)
+    ap.add_argument("--sweep", type=Path, action="append", default=[],
+                    help="a sweep's directory; the first names the evaluated head, later ones add runs")
     ap.add_argument("--bench-runtime", type=Path)
     ap.add_argument("--bench-train", type=Path)
     ap.add_argument("--timeline", type=Path)
     ap.add_argument("--ablation", type=Path, help="the ablation heads' directory (train_NAME/ inside)")
+    ap.add_argument("--carry-over", type=Path, action="append", default=[], metavar="SUMMARY",
+                    help="an earlier reference.json: fills what this run did not measure")
+    ap.add_argument("--plot", type=Path, help="the data curve as a PNG")
     a = ap.parse_args(argv)
-    data_dir = a.run / "data"
-    summary = {
-        "title": "SmolLM2-135M EAGLE-3 reference run",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
-        "data": {"synthesize": _load(data_dir / "synthesize_summary.json"),
-                 "regenerate": _load(data_dir / "regenerate_summary.json"),
-                 "rows": _load(data_dir / "rows" / "summary.json")},
-        "stages": timeline(a.timeline),
-        "eval_sets": {},
-        "goals": {},
-    }
-    sweep = _load(a.sweep / "sweep.json") if a.sweep else None
-    if sweep:
-        summary["training"] = {"chosen_lr": sweep.get("best_lr"), "runs": sweep["runs"], "final": sweep.get("final")}
-        tps = (sweep.get("final") or {}).get("train_tokens_per_s")
-        summary["goals"][f"train_tokens_per_s>={TRAIN_TOKENS_PER_S}"] = {
-            "value": tps, "met": tps is not None and tps >= TRAIN_TOKENS_PER_S}
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if a.from_summary:
+        summary = _load(a.from_summary)
+        if summary is None:
+            ap.error(f"--from-summary {a.from_summary}: no such file")
+        summary["amended"] = now
+        summary.pop("curve", None)  # rebuilt below from its runs and whatever is added
+    elif a.run is None:
+        ap.error("one of --run and --from-summary is required")
+    else:
+        data_dir = a.run / "data"
+        summary = {
+            "title": "SmolLM2-135M EAGLE-3 reference run",
+            "date": now,
+            "machine": machine(),
+            "data": {"synthesize": _load(data_dir / "synthesize_summary.json"),
+                     "regenerate": _load(data_dir / "regenerate_summary.json"),
+                     "rows": _load(data_dir / "rows" / "summary.json")},
+            "stages": timeline(a.timeline),
+            "eval_sets": {},
+            "goals": {},
+        }
+    for d in a.sweep:
+        sweep = _load(d / "sweep.json")
+        if sweep:
+            add_sweep(summary, sweep)
     if a.ablation and Path(a.ablation).is_dir():
         summary["ablation"] = ablation(a.ablation)
     for spec in a.eval:
         name, _, d = spec.partition("=")
         rep = _load(Path(d) / "report.json")
         summary["eval_sets"][name] = eval_set(rep) if rep else {"not_run": True, "dir": d}
+    points = curve_points(summary, "this run")
+    for path in a.carry_over:
+        earlier = _load(path)
+        if earlier is None:
+            ap.error(f"--carry-over {path}: no such file")
+        carry_over(summary, earlier, path)
+        points += curve_points(earlier, str(path))
+    summary["curve"] = merge_curve([p for p in points if p.get("train_tokens") and p.get("heldout_sim_tau")])
     for name, goal in GOALS.items():
         es = summary["eval_sets"].get(name, {})
-        tau = ((es.get("drafters") or {}).get("head") or {}).get("tau")
+        tau = None if "carried_over" in es else ((es.get("drafters") or {}).get("head") or {}).get("tau")
         summary["goals"][f"{name}_tau>={goal}"] = {"value": tau, "met": tau is not None and tau >= goal}
-    if "mixed" in summary["eval_sets"] and "drafters" in summary["eval_sets"]["mixed"]:
-        summary["goals"]["mixed_per_category"] = category_check(summary["eval_sets"]["mixed"])
-    summary["runtime"] = _load(a.bench_runtime)
-    summary["train_bench"] = _load(a.bench_train)
+    mixed = summary["eval_sets"].get("mixed", {})
+    if "drafters" in mixed and "carried_over" not in mixed:
+        summary["goals"]["mixed_per_category"] = category_check(mixed)
+    if a.bench_runtime or "runtime" not in summary:
+        summary["runtime"] = _load(a.bench_runtime)
+    if a.bench_train or "train_bench" not in summary:
+        summary["train_bench"] = _load(a.bench_train)
+    if a.plot and summary["curve"]:
+        plot_curve(summary["curve"], a.plot)
     write_json_atomic(a.out, summary)
     for name, es in summary["eval_sets"].items():
         for kind, d in (es.get("drafters") or {}).items():

@@ -138,3 +138,69 @@ def test_reference_summary_reads_the_ablation_heads_and_their_data(tmp_path):
                               "rows_original": {"rows": 25, "tokens": 4186, "masked_tokens": 2267, "holdout": 3,
                                                 "truncated": 0}}
     assert res["online_vs_offline"] is None
+
+
+def _run(name, fraction, tau, tokens, tps=1000.0):
+    return {"name": name, "fraction": fraction, "lr": 0.002, "train_dir": f"/gpu/{name}", "seconds": 1.0,
+            "heldout_sim_tau": tau, "heldout_loss": 10.0 / tau, "train_tokens": tokens, "train_tokens_per_s": tps}
+
+
+def _eval_set(tau):
+    return {"prompts": {"count": 2}, "settings": {}, "baseline_tokens_per_s": 10.0,
+            "drafters": {"head": {"tau": tau, "alpha": [0.5], "per_category": None}}}
+
+
+def test_reference_summary_amends_a_sitting_with_a_later_sweep_and_earlier_figures(tmp_path):
+    import sys
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    mod = _load("reference_summary")
+    # this sitting: the full-data head evaluated, the extras not run; the 30% point trained afterwards
+    final = _run("f1_lr0.002", 1.0, 3.7, 66_000_000, tps=162_000.0)
+    here = {"title": "t", "date": "2026-12-06 07:38 UTC", "machine": {"gpu": "H100"},
+            "data": {"rows": {"rows": 41272, "tokens": 13_476_672}}, "stages": {},
+            "eval_sets": {"vicuna": _eval_set(2.14), "gsm8k_holdout": _eval_set(2.9),
+                          "vicuna_k5": {"not_run": True, "dir": "/gpu/eval_extras"}},
+            "goals": {}, "training": {"chosen_lr": 0.002, "runs": [final], "final": final}}
+    (tmp_path / "here.json").write_text(json.dumps(here))
+    late = tmp_path / "sweep30"
+    late.mkdir()
+    (late / "sweep.json").write_text(json.dumps({"runs": [_run("f0.3_lr0.002", 0.3, 2.1, 20_000_000)],
+                                                 "best_lr": 0.002, "final": None}))
+    # an earlier sitting on other rows: its k = 5 eval, its ablations, its own 100% point and an eval set that
+    # this one ran too (which must not replace this one's)
+    earlier = {"date": "2026-12-06 03:09 UTC", "machine": {"gpu": "H100"},
+               "data": {"rows": {"rows": 25114, "tokens": 8_111_202}},
+               "eval_sets": {"vicuna_k5": _eval_set(2.2), "vicuna": _eval_set(2.06)},
+               "training": {"runs": [_run("f1_lr0.002", 1.0, 3.4, 39_700_000)]},
+               "ablation": {"heads": {"mtp": {"heldout_sim_tau": 1.6}}}}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    png = tmp_path / "curve.png"
+    out = mod.main(["--from-summary", str(tmp_path / "here.json"), "--sweep", str(late), "--carry-over",
+                    str(tmp_path / "earlier.json"), "--plot", str(png), "--out", str(tmp_path / "ref.json")])
+    assert json.loads((tmp_path / "ref.json").read_text()) == out
+    assert out["date"] == "2026-12-06 07:38 UTC" and out["amended"]  # the figures' date stays
+    assert out["training"]["final"]["name"] == "f1_lr0.002"
+    assert [r["name"] for r in out["training"]["runs"]] == ["f1_lr0.002", "f0.3_lr0.002"]
+    assert out["eval_sets"]["vicuna"]["drafters"]["head"]["tau"] == 2.14
+    k5 = out["eval_sets"]["vicuna_k5"]
+    assert k5["drafters"]["head"]["tau"] == 2.2 and k5["carried_over"]["date"] == "2026-12-06 03:09 UTC"
+    assert out["ablation"]["heads"]["mtp"]["heldout_sim_tau"] == 1.6
+    assert out["ablation"]["carried_over"]["file"] == str(tmp_path / "earlier.json")
+    assert "carried_over" not in out["eval_sets"]["vicuna"]
+    assert out["goals"]["gsm8k_holdout_tau>=2.8"] == {"value": 2.9, "met": True}
+    assert out["goals"]["vicuna_tau>=2.5"] == {"value": 2.14, "met": False}
+    # the curve keeps the two data sets apart: the earlier 100% point is not this data set's
+    assert [(p["data_tokens"], p["fraction"], p["heldout_sim_tau"]) for p in out["curve"]] == [
+        (8_111_202, 1.0, 3.4), (13_476_672, 0.3, 2.1), (13_476_672, 1.0, 3.7)]
+    assert out["curve"][0]["summary"] == str(tmp_path / "earlier.json")
+    assert png.stat().st_size > 10_000
+    # a goal set known only from an earlier head is not this head's result; a section that names its own
+    # summary (the ablations, carried once already) keeps that origin
+    del here["eval_sets"]["vicuna"]
+    (tmp_path / "here.json").write_text(json.dumps(here))
+    earlier["ablation"]["summary_file"] = "ablations/reference.json"
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    out = mod.main(["--from-summary", str(tmp_path / "here.json"), "--carry-over", str(tmp_path / "earlier.json"),
+                    "--out", str(tmp_path / "ref2.json")])
+    assert out["eval_sets"]["vicuna"]["carried_over"] and out["goals"]["vicuna_tau>=2.5"]["value"] is None
+    assert "carried_over" not in out["ablation"] and out["ablation"]["summary_file"] == "ablations/reference.json"
