@@ -445,6 +445,42 @@ def test_offline_and_online_feeds_agree(tiny, rows, tmp_path, dtype, tol):
     assert n == len(off) > 0
 
 
+def test_online_feed_refuses_a_target_the_rows_were_not_prepared_for(tiny, rows, tmp_path):
+    """Online, no store records whose states the head learns from: the token rows' summary names the target they
+    were prepared for, and another target is refused before a batch is computed, naming what differs."""
+    import json
+
+    import datasets
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specheads.data.prepare import rows_features
+    from specheads.dump.store import DumpMismatchError
+
+    recipe = make_recipe(tmp_path)
+    recipe.dump.mode = "online"
+    n = len(rows)
+    datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
+                                "conv_id": [str(i) for i in range(n)], "source": ["t"] * n, "category": [None] * n},
+                               features=rows_features()).save_to_disk(recipe.rows_dir)
+    ident = {k: v for k, v in tiny.identity().items() if k != "config_hash"}  # what `data prepare` records
+    summary = {"rows": n, "target": ident, "recipe_inputs": recipe.stage_inputs("prepare")}
+    (Path(recipe.rows_dir) / "summary.json").write_text(json.dumps(summary))
+    batch = next(iter(make_feed(recipe, target=tiny)))  # the rows' own target computes states
+    assert batch["final"].shape[-1] == tiny.hidden_size
+
+    torch.manual_seed(1)
+    wider = LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    other = Target(model=LlamaForCausalLM(wider).eval(), tokenizer=None, name="tiny", source="tiny")
+    with pytest.raises(DumpMismatchError, match=r"prepared for target hidden_size=32, but the target given has "
+                                                r"hidden_size=48"):
+        make_feed(recipe, target=other)
+    renamed = Target(model=tiny.model, tokenizer=None, name="tiny-ft", source="tiny-ft")
+    with pytest.raises(DumpMismatchError, match=rf"{recipe.rows_dir} were prepared for target name='tiny', but the "
+                                                r"target given has name='tiny-ft'.*data prepare"):
+        make_feed(recipe, target=renamed)
+
+
 def test_collate_pads():
     r = [{"input_ids": torch.tensor([5, 6, 7]), "loss_mask": torch.tensor([0, 1, 1]), "aux": torch.ones(3, 6),
           "final": torch.ones(3, 2), "row_index": 4},
