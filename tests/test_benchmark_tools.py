@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -204,3 +206,41 @@ def test_reference_summary_amends_a_sitting_with_a_later_sweep_and_earlier_figur
                     "--out", str(tmp_path / "ref2.json")])
     assert out["eval_sets"]["vicuna"]["carried_over"] and out["goals"]["vicuna_tau>=2.5"]["value"] is None
     assert "carried_over" not in out["ablation"] and out["ablation"]["summary_file"] == "ablations/reference.json"
+
+
+def test_sweep_resumes_after_an_interruption(tmp_path, monkeypatch):
+    """A sweep killed mid-way: the rerun skips the finished runs, resumes the interrupted one from its checkpoint
+    (train.resume=true) and ends as an uninterrupted sweep would; another sweep in the same --out is refused."""
+    import subprocess
+    import sys
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    mod = _load("sweep_reference")
+    calls, kill = [], {"at": "f1_lr0.002"}
+
+    def fake_train(cmd, check):
+        args = dict(a.split("=", 1) for a in cmd if "=" in a)
+        out = Path(args["train.out"])
+        calls.append((out.name, args["train.resume"]))
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        if kill.get("at") == out.name:
+            del kill["at"]
+            raise subprocess.CalledProcessError(-9, cmd)
+        frac, lr = float(args["train.data_fraction"]), float(args["train.lr"])
+        rows = [{"split": "train", "step": 1, "loss": 3.0, "tokens": int(1000 * frac), "tokens_per_s": 10.0},
+                {"split": "eval", "step": 1, "loss": 2.0, "sim_tau": 1 + frac + lr * 100, "step_acc": [0.5]}]
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_train)
+    argv = ["recipes/x.yaml", "--out", str(tmp_path / "sw"), "--fractions", "0.1,1", "--lrs", "1e-3,2e-3", "a.b=1"]
+    with pytest.raises(subprocess.CalledProcessError):
+        mod.main(argv)
+    state = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert [r["name"] for r in state["runs"]] == ["f0.1_lr0.001", "f0.1_lr0.002"]  # kept as they finished
+    calls.clear()
+    state = mod.main(argv)
+    assert calls == [("f1_lr0.002", "true")]  # the finished runs are not trained again
+    assert state["best_lr"] == 0.002 and state["final"]["name"] == "f1_lr0.002"
+    assert state["final"]["heldout_sim_tau"] == pytest.approx(2.2)
+    assert (tmp_path / "sw" / "sweep.md").read_text().count("\n") == 5
+    with pytest.raises(SystemExit, match="belongs to another sweep"):
+        mod.main([*argv[:-1], "a.b=2"])
