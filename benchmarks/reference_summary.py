@@ -4,11 +4,22 @@ Reads what the stages wrote (nothing is re-measured here): the synthesis and reg
 summaries, the token rows' summary, the sweep, the eval reports and the runtime and training
 benchmarks, and the timeline of ``h200_reference.sh``. Per eval set: τ and α_i of every drafter
 (head, n-gram, hybrid), τ per category, tokens/s and speedup, and whether the issue's goals
-are met.
+are met; the data curve (held-out τ against training tokens, one point per sweep run).
 
     python benchmarks/reference_summary.py --run runs/smollm2_eagle3_h200 --out OUT/reference.json \\
         --eval vicuna=runs/.../eval_vicuna --eval gsm8k_holdout=... --eval mixed=... \\
-        [--sweep DIR] [--bench-runtime F] [--bench-train F] [--timeline F]
+        [--sweep DIR ...] [--bench-runtime F] [--bench-train F] [--timeline F] [--plot PNG]
+    python benchmarks/reference_summary.py --from-summary OUT/reference.json --sweep LATER_SWEEP \\
+        [--carry-over EARLIER/reference.json ...] [--plot PNG] --out benchmarks/results/reference.json
+
+A sitting seldom runs everything. ``--from-summary F`` starts from a summary written on the machine
+that ran it (its date, machine and figures stay; ``amended`` says when and where it was added to)
+and adds what the other options name, e.g. the runs of a later ``--sweep`` (the first ``--sweep``
+names the evaluated head, later ones only add runs). ``--carry-over F`` (repeatable) fills what
+this run did not measure (eval sets marked not run, the ablations) from an earlier summary; each
+section it fills is marked ``carried_over`` with the file, date and machine it was measured in, and
+its curve points join this one's under their own data set. Goals are judged on this run's own
+eval sets only.
 """
 from __future__ import annotations
 
@@ -118,25 +129,32 @@ def add_sweep(summary: dict, sweep: dict) -> None:
     tr["runs"] += [r for r in sweep["runs"] if (r["name"], r.get("train_dir")) not in known]
 
 
+THIS_RUN = "this run"  # a curve point's "summary" when the summary holding it trained it
+
+
 def curve_points(summary: dict, source: str) -> list[dict]:
     """Held-out τ against training tokens, one point per sweep run, labelled with the rows its share was drawn
-    from: points of sittings on different data sets stay apart."""
-    if summary.get("curve"):
-        return summary["curve"]
+    from (points of sittings on different data sets stay apart) and with the summary that trained it: ``source``
+    for this summary's own runs; points it carried over from other summaries keep their labels."""
     rows = (summary.get("data") or {}).get("rows") or {}
-    return [{"data_rows": rows.get("rows"), "data_tokens": rows.get("tokens"), "fraction": r.get("fraction"),
-             "lr": r.get("lr"), "train_tokens": r.get("train_tokens"), "heldout_sim_tau": r.get("heldout_sim_tau"),
-             "heldout_loss": r.get("heldout_loss"), "date": summary.get("date"), "summary": source}
-            for r in (summary.get("training") or {}).get("runs") or []]
+    own = [{"data_rows": rows.get("rows"), "data_tokens": rows.get("tokens"), "fraction": r.get("fraction"),
+            "lr": r.get("lr"), "train_tokens": r.get("train_tokens"), "heldout_sim_tau": r.get("heldout_sim_tau"),
+            "heldout_loss": r.get("heldout_loss"), "date": summary.get("date"), "summary": source}
+           for r in (summary.get("training") or {}).get("runs") or []]
+    return own + [p for p in summary.get("curve") or [] if p.get("summary") != THIS_RUN]
 
 
 def carry_over(summary: dict, earlier: dict, path: Path) -> None:
     """Fill the eval sets this run did not measure and the ablations it did not train from an earlier summary,
     each marked with where it came from."""
-    origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine")}
-
-    def marked(section: dict) -> dict:  # a section that already names its own summary keeps that origin
-        return section if {"carried_over", "summary_file"} & section.keys() else {"carried_over": origin, **section}
+    def marked(section: dict) -> dict:
+        if "carried_over" in section:  # carried once already: the first origin stays
+            return section
+        if "summary_file" in section:  # a section that names the summary it was measured in
+            origin = {"file": section["summary_file"], "date": section.get("date"), "machine": section.get("machine")}
+        else:
+            origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine")}
+        return {"carried_over": origin, **section}
 
     for name, es in (earlier.get("eval_sets") or {}).items():
         mine = summary["eval_sets"].get(name)
@@ -147,10 +165,10 @@ def carry_over(summary: dict, earlier: dict, path: Path) -> None:
 
 
 def merge_curve(points: list[dict]) -> list[dict]:
-    """One point per data set, share and rate: the first summary that names it wins."""
+    """One point per run (data set, share, rate and tokens seen): the first summary that names it wins."""
     seen, out = set(), []
     for p in points:
-        key = (p.get("data_tokens"), p.get("fraction"), p.get("lr"))
+        key = (p.get("data_tokens"), p.get("fraction"), p.get("lr"), p.get("train_tokens"))
         if key not in seen:
             seen.add(key)
             out.append(p)
@@ -164,16 +182,23 @@ def plot_curve(points: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for tokens in sorted({p["data_tokens"] for p in points}, key=lambda t: t or 0):
-        pts = sorted((p for p in points if p["data_tokens"] == tokens), key=lambda p: p["train_tokens"])
+    # one line per data set and learning rate: the points of a rate sweep are not a curve
+    lines = sorted({(p.get("data_tokens") or 0, p.get("lr")) for p in points}, key=lambda k: (k[0], k[1] or 0))
+    several_lrs = len({lr for _, lr in lines}) > 1
+    for tokens, lr in lines:
+        pts = sorted((p for p in points if (p.get("data_tokens") or 0, p.get("lr")) == (tokens, lr)),
+                     key=lambda p: p["train_tokens"])
         rows = pts[0].get("data_rows")
         label = f"{rows:,} rows, {tokens / 1e6:.1f}M tokens" if rows and tokens else "unknown data set"
+        if several_lrs and lr is not None:
+            label += f", lr {lr:g}"
         ax.plot([p["train_tokens"] for p in pts], [p["heldout_sim_tau"] for p in pts], "o-", label=label)
         for p in pts:
-            ax.annotate(f"{p['fraction']:.0%}", (p["train_tokens"], p["heldout_sim_tau"]), textcoords="offset points",
-                        xytext=(4, -11), fontsize=8)
+            if p.get("fraction") is not None:
+                ax.annotate(f"{p['fraction']:.0%}", (p["train_tokens"], p["heldout_sim_tau"]),
+                            textcoords="offset points", xytext=(4, -11), fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlabel("training tokens seen (5 epochs of the share)")
+    ax.set_xlabel("training tokens seen (every epoch of the share)")
     ax.set_ylabel("held-out simulated τ (7 TTT steps)")
     ax.set_title("reference head: held-out τ against data")
     ax.grid(alpha=0.3)
@@ -230,11 +255,15 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     if a.from_summary:
+        if a.run is not None:
+            ap.error("--run and --from-summary exclude each other: a summary is read from one of them")
         summary = _load(a.from_summary)
         if summary is None:
             ap.error(f"--from-summary {a.from_summary}: no such file")
-        summary["amended"] = now
-        summary.pop("curve", None)  # rebuilt below from its runs and whatever is added
+        # the figures keep the date and machine they were measured on; this says when and where they were added to
+        summary["amended"] = {"date": now, "machine": machine()}
+        if a.timeline:
+            summary["stages"] = timeline(a.timeline)
     elif a.run is None:
         ap.error("one of --run and --from-summary is required")
     else:
@@ -260,7 +289,7 @@ def main(argv=None) -> dict:
         name, _, d = spec.partition("=")
         rep = _load(Path(d) / "report.json")
         summary["eval_sets"][name] = eval_set(rep) if rep else {"not_run": True, "dir": d}
-    points = curve_points(summary, "this run")
+    points = curve_points(summary, THIS_RUN)
     for path in a.carry_over:
         earlier = _load(path)
         if earlier is None:
@@ -275,10 +304,11 @@ def main(argv=None) -> dict:
     mixed = summary["eval_sets"].get("mixed", {})
     if "drafters" in mixed and "carried_over" not in mixed:
         summary["goals"]["mixed_per_category"] = category_check(mixed)
-    if a.bench_runtime or "runtime" not in summary:
-        summary["runtime"] = _load(a.bench_runtime)
-    if a.bench_train or "train_bench" not in summary:
-        summary["train_bench"] = _load(a.bench_train)
+    # a benchmark file the run did not write leaves what the summary already holds
+    for key, path in (("runtime", a.bench_runtime), ("train_bench", a.bench_train)):
+        loaded = _load(path)
+        if loaded is not None or key not in summary:
+            summary[key] = loaded
     if a.plot and summary["curve"]:
         plot_curve(summary["curve"], a.plot)
     write_json_atomic(a.out, summary)

@@ -174,13 +174,18 @@ def test_reference_summary_amends_a_sitting_with_a_later_sweep_and_earlier_figur
                "data": {"rows": {"rows": 25114, "tokens": 8_111_202}},
                "eval_sets": {"vicuna_k5": _eval_set(2.2), "vicuna": _eval_set(2.06)},
                "training": {"runs": [_run("f1_lr0.002", 1.0, 3.4, 39_700_000)]},
-               "ablation": {"heads": {"mtp": {"heldout_sim_tau": 1.6}}}}
+               "ablation": {"heads": {"mtp": {"heldout_sim_tau": 1.6}}},
+               # its curve: its own run again, and a point it carried from a third summary
+               "curve": [{"data_tokens": 8_111_202, "fraction": 1.0, "lr": 0.002, "train_tokens": 39_700_000,
+                          "heldout_sim_tau": 3.4, "summary": "this run"},
+                         {"data_tokens": 8_111_202, "fraction": 0.1, "lr": 0.002, "train_tokens": 4_000_000,
+                          "heldout_sim_tau": 1.5, "summary": "third.json"}]}
     (tmp_path / "earlier.json").write_text(json.dumps(earlier))
     png = tmp_path / "curve.png"
     out = mod.main(["--from-summary", str(tmp_path / "here.json"), "--sweep", str(late), "--carry-over",
                     str(tmp_path / "earlier.json"), "--plot", str(png), "--out", str(tmp_path / "ref.json")])
     assert json.loads((tmp_path / "ref.json").read_text()) == out
-    assert out["date"] == "2026-12-06 07:38 UTC" and out["amended"]  # the figures' date stays
+    assert out["date"] == "2026-12-06 07:38 UTC" and out["amended"]["date"]  # the figures' date stays
     assert out["training"]["final"]["name"] == "f1_lr0.002"
     assert [r["name"] for r in out["training"]["runs"]] == ["f1_lr0.002", "f0.3_lr0.002"]
     assert out["eval_sets"]["vicuna"]["drafters"]["head"]["tau"] == 2.14
@@ -192,12 +197,18 @@ def test_reference_summary_amends_a_sitting_with_a_later_sweep_and_earlier_figur
     assert out["goals"]["gsm8k_holdout_tau>=2.8"] == {"value": 2.9, "met": True}
     assert out["goals"]["vicuna_tau>=2.5"] == {"value": 2.14, "met": False}
     # the curve keeps the two data sets apart: the earlier 100% point is not this data set's
-    assert [(p["data_tokens"], p["fraction"], p["heldout_sim_tau"]) for p in out["curve"]] == [
-        (8_111_202, 1.0, 3.4), (13_476_672, 0.3, 2.1), (13_476_672, 1.0, 3.7)]
-    assert out["curve"][0]["summary"] == str(tmp_path / "earlier.json")
+    # and says which summary trained each point
+    curve = [(p["data_tokens"], p["fraction"], p["heldout_sim_tau"], p["summary"]) for p in out["curve"]]
+    assert curve == [(8_111_202, 0.1, 1.5, "third.json"), (8_111_202, 1.0, 3.4, str(tmp_path / "earlier.json")),
+                     (13_476_672, 0.3, 2.1, "this run"), (13_476_672, 1.0, 3.7, "this run")]
     assert png.stat().st_size > 10_000
-    # a goal set known only from an earlier head is not this head's result; a section that names its own
-    # summary (the ablations, carried once already) keeps that origin
+    # amending the amended summary again keeps the points it carried
+    again = mod.main(["--from-summary", str(tmp_path / "ref.json"), "--out", str(tmp_path / "ref_again.json")])
+    assert again["curve"] == out["curve"] and again["eval_sets"] == out["eval_sets"]
+    with pytest.raises(SystemExit):  # one source of figures, not two
+        mod.main(["--from-summary", str(tmp_path / "ref.json"), "--run", str(tmp_path), "--out", str(tmp_path / "x")])
+    # a goal set known only from an earlier head is not this head's result; a section that names the summary it
+    # was measured in (the ablations) is marked with that one
     del here["eval_sets"]["vicuna"]
     (tmp_path / "here.json").write_text(json.dumps(here))
     earlier["ablation"]["summary_file"] = "ablations/reference.json"
@@ -205,7 +216,7 @@ def test_reference_summary_amends_a_sitting_with_a_later_sweep_and_earlier_figur
     out = mod.main(["--from-summary", str(tmp_path / "here.json"), "--carry-over", str(tmp_path / "earlier.json"),
                     "--out", str(tmp_path / "ref2.json")])
     assert out["eval_sets"]["vicuna"]["carried_over"] and out["goals"]["vicuna_tau>=2.5"]["value"] is None
-    assert "carried_over" not in out["ablation"] and out["ablation"]["summary_file"] == "ablations/reference.json"
+    assert out["ablation"]["carried_over"]["file"] == "ablations/reference.json"
 
 
 def test_sweep_resumes_after_an_interruption(tmp_path, monkeypatch):

@@ -462,11 +462,14 @@ def test_online_feed_refuses_a_target_the_rows_were_not_prepared_for(tiny, rows,
     datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
                                 "conv_id": [str(i) for i in range(n)], "source": ["t"] * n, "category": [None] * n},
                                features=rows_features()).save_to_disk(recipe.rows_dir)
-    ident = {k: v for k, v in tiny.identity().items() if k != "config_hash"}  # what `data prepare` records
+    # what `data prepare` records: the recipe's target.source as the name, the adapter, the shapes
+    ident = {**{k: v for k, v in tiny.identity().items() if k != "config_hash"}, "name": "tiny"}
     summary = {"rows": n, "target": ident, "recipe_inputs": recipe.stage_inputs("prepare")}
     (Path(recipe.rows_dir) / "summary.json").write_text(json.dumps(summary))
     batch = next(iter(make_feed(recipe, target=tiny)))  # the rows' own target computes states
     assert batch["final"].shape[-1] == tiny.hidden_size
+    # a GGUF file's display name differs from the source it was loaded from: the source is what counts
+    make_feed(recipe, target=Target(model=tiny.model, tokenizer=None, name="tiny.Q4_1", source="tiny"))
 
     torch.manual_seed(1)
     wider = LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
@@ -479,6 +482,9 @@ def test_online_feed_refuses_a_target_the_rows_were_not_prepared_for(tiny, rows,
     with pytest.raises(DumpMismatchError, match=rf"{recipe.rows_dir} were prepared for target name='tiny', but the "
                                                 r"target given has name='tiny-ft'.*data prepare"):
         make_feed(recipe, target=renamed)
+    adapted = Target(model=tiny.model, tokenizer=None, name="tiny", source="tiny", adapter="loras/support")
+    with pytest.raises(DumpMismatchError, match=r"adapter=None, but the target given has adapter='loras/support'"):
+        make_feed(recipe, target=adapted)
 
 
 def test_collate_pads():
