@@ -176,36 +176,20 @@ def merge_curve(points: list[dict]) -> list[dict]:
 
 
 def plot_curve(points: list[dict], path: Path) -> None:
-    import matplotlib
+    from sweep_reference import plot_curves  # beside this file
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
     # one line per data set and learning rate: the points of a rate sweep are not a curve
-    lines = sorted({(p.get("data_tokens") or 0, p.get("lr")) for p in points}, key=lambda k: (k[0], k[1] or 0))
-    several_lrs = len({lr for _, lr in lines}) > 1
-    for tokens, lr in lines:
-        pts = sorted((p for p in points if (p.get("data_tokens") or 0, p.get("lr")) == (tokens, lr)),
-                     key=lambda p: p["train_tokens"])
+    keys = sorted({(p.get("data_tokens") or 0, p.get("lr")) for p in points}, key=lambda k: (k[0], k[1] or 0))
+    several_lrs = len({lr for _, lr in keys}) > 1
+    lines = []
+    for tokens, lr in keys:
+        pts = [p for p in points if (p.get("data_tokens") or 0, p.get("lr")) == (tokens, lr)]
         rows = pts[0].get("data_rows")
         label = f"{rows:,} rows, {tokens / 1e6:.1f}M tokens" if rows and tokens else "unknown data set"
         if several_lrs and lr is not None:
             label += f", lr {lr:g}"
-        ax.plot([p["train_tokens"] for p in pts], [p["heldout_sim_tau"] for p in pts], "o-", label=label)
-        for p in pts:
-            if p.get("fraction") is not None:
-                ax.annotate(f"{p['fraction']:.0%}", (p["train_tokens"], p["heldout_sim_tau"]),
-                            textcoords="offset points", xytext=(4, -11), fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens seen (every epoch of the share)")
-    ax.set_ylabel("held-out simulated τ (7 TTT steps)")
-    ax.set_title("reference head: held-out τ against data")
-    ax.grid(alpha=0.3)
-    ax.legend(title="share of", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        lines.append((label, "o-", pts))
+    plot_curves(lines, path, "reference head: held-out τ against data", legend_title="share of", size=(6.5, 4))
 
 
 def timeline(path: Path | None) -> dict:

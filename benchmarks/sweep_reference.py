@@ -78,28 +78,38 @@ def train_one(recipe: str, out: Path, fraction: float, lr: float, overrides: lis
     return result
 
 
-def plot(runs: list[dict], best_lr: float, path: Path) -> None:
+def plot_curves(lines: list[tuple[str, str, list[dict]]], path: Path, title: str, legend_title: str | None = None,
+                size: tuple[float, float] = (6, 4)) -> None:
+    """Held-out τ against training tokens: one line per ``(label, marker style, runs)``, each run (``train_tokens``,
+    ``heldout_sim_tau``, ``fraction``) annotated with its share of the rows. Also drawn by reference_summary.py."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for lr in sorted({r["lr"] for r in runs}):
-        pts = sorted((r["train_tokens"], r["heldout_sim_tau"], r["fraction"]) for r in runs if r["lr"] == lr)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if lr == best_lr else "x",
-                label=f"lr {lr:g}" + (" (chosen)" if lr == best_lr else ""))
-        for x, y, f in pts:
-            ax.annotate(f"{f:.0%}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    fig, ax = plt.subplots(figsize=size)
+    for label, style, runs in lines:
+        pts = sorted(runs, key=lambda r: r["train_tokens"])
+        ax.plot([r["train_tokens"] for r in pts], [r["heldout_sim_tau"] for r in pts], style, label=label)
+        for r in pts:
+            if r.get("fraction") is not None:
+                ax.annotate(f"{r['fraction']:.0%}", (r["train_tokens"], r["heldout_sim_tau"]),
+                            textcoords="offset points", xytext=(4, -10), fontsize=8)
     ax.set_xscale("log")
     ax.set_xlabel("training tokens seen")
     ax.set_ylabel("held-out simulated τ (k = TTT steps)")
-    ax.set_title("reference sweep: τ against data")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(title=legend_title, fontsize=8 if legend_title else None)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(runs: list[dict], best_lr: float, path: Path) -> None:
+    lines = [(f"lr {lr:g}" + (" (chosen)" if lr == best_lr else ""), "o-" if lr == best_lr else "x",
+              [r for r in runs if r["lr"] == lr]) for lr in sorted({r["lr"] for r in runs})]
+    plot_curves(lines, path, "reference sweep: τ against data")
 
 
 def main(argv=None) -> dict:

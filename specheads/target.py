@@ -223,8 +223,8 @@ class Target:
                 def pre_hook(_mod, args, kwargs, i=i):
                     captured[i] = args[0] if args else kwargs["hidden_states"]
                 handles.append(layers[i].register_forward_pre_hook(pre_hook, with_kwargs=True))
-        if isinstance(compute_dtype, str):
-            compute_dtype = getattr(torch, compute_dtype)
+        if compute_dtype is not None:
+            compute_dtype = resolve_dtype(compute_dtype)
         cast = compute_dtype is not None and compute_dtype != self.dtype
         try:
             with torch.autocast(self.device.type, dtype=compute_dtype, enabled=cast):
