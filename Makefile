@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 RECIPE  ?= recipes/smollm2_eagle3.yaml
 ARGS    ?=
 
-.PHONY: install demo test test-fast clean-demo clean
+.PHONY: install demo test test-fast docs clean-demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,11 +33,17 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not vllm and not speculators"
 
+# docs/cli.md from the real parser (tests/test_cli_docs.py fails when it is out of date)
+docs: $(STAMP)
+	$(BIN)/python scripts/cli_docs.py
+
 # the demo's run directory (~0.6 GB: regenerated data, token rows, dump, checkpoints, exports, report)
 clean-demo:
 	rm -rf runs/smollm2_eagle3
 
-# everything the two commands create except .venv: runs/ and the vLLM / speculators reader
-# environments that `make test` builds under .cache/venvs (~5.8 GB)
+# everything the two commands create in the repository except .venv: runs/ and the vLLM / speculators
+# reader environments that `make test` builds under .cache/venvs (~5.8 GB). The de-quantised SmolLM2
+# that both commands share stays in ~/.cache/specheads/gguf (~0.5 GB; or $SPECHEADS_GGUF_CACHE):
+# delete that folder to reclaim it, and the next run writes it again (~45 s)
 clean:
 	rm -rf runs .cache wandb

@@ -31,7 +31,7 @@ from specheads.data.formats import load_prompts
 from specheads.data.regenerate import run_regenerate
 from specheads.data.synthesize import run_synthesize
 from specheads.runtime.chat import render_prompt
-from specheads.runtime.generate import generate
+from specheads.runtime.engines.static import generate
 from specheads.runtime.model import TargetModel
 from specheads.target import load_target
 
@@ -90,6 +90,15 @@ def main(argv=None) -> dict:
     return res
 
 
+def _relative(obj, root):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from run_paths import relative  # beside this file
+
+    return relative(obj, root)
+
+
 def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
     rows = {"plain decode": plain_decode(target, batch, a.new_tokens, graphs, a.compile)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,6 +123,7 @@ def run_batch(a, target, dtype: str, batch: int, graphs: bool) -> dict:
                                             f"data.synthesize.max_new_tokens={a.new_tokens}",
                                             f"data.synthesize.copy_tasks.document_tokens={a.new_tokens}"])
         rows["data synthesize"] = stage_row(run_synthesize, synth, target, "generated_tokens", "written")
+        rows = _relative(rows, tmp)  # the stages' summaries name files in the temporary run directory
 
     plain = rows["plain decode"]["tokens_per_s"]
     for row in rows.values():

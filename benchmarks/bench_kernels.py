@@ -85,16 +85,7 @@ def copy_bandwidth(mib: int) -> float:
     return 2 * src.numel() * 4 / (ms * 1e-3)  # read + write, bytes/s
 
 
-def main():
-    B = ARGS.batch or (64 if CUDA else 4)
-    K = ARGS.k
-    V = ARGS.vocab or (128256 if CUDA else 4096)
-    N = ARGS.tree_nodes
-    M = ARGS.ce_rows or (16384 if CUDA else 32)
-    Vd = ARGS.ce_vocab or (32000 if CUDA else 2048)
-    copy_mib = ARGS.copy_mib or (4096 if CUDA else 64)
-    g = torch.Generator(device=DEV).manual_seed(ARGS.seed)
-
+def machine_info(copy_mib: int) -> dict:
     info = {"device": torch.cuda.get_device_name(DEV) if CUDA else platform.processor() or "cpu",
             "torch": torch.__version__, "python": platform.python_version()}
     try:
@@ -104,10 +95,12 @@ def main():
     except ImportError:
         info["triton"] = None
     info["interpreter"] = os.environ.get("TRITON_INTERPRET") == "1"
-    bw_copy = copy_bandwidth(copy_mib)
-    info["copy_bandwidth_GBps"] = bw_copy / 1e9
-    rows = []
+    info["copy_bandwidth_GBps"] = copy_bandwidth(copy_mib) / 1e9
+    return info
 
+
+def recorder(rows: list, bw_copy: float):
+    """record(name, shape, triton fn, torch fn, bytes moved, extra): times both and appends a result row."""
     def record(name, shape, fn_t, fn_r, nbytes, extra=None):
         t_ms = bench(fn_t)
         r_ms = bench(fn_r)
@@ -118,8 +111,11 @@ def main():
         row.update(extra or {})
         rows.append(row)
         print(f"  {name:<22} triton {t_ms:9.3f} ms   torch {r_ms:9.3f} ms", flush=True)
+    return record
 
-    # ---------------------------------------------------------------- verify inputs
+
+def bench_verify(record, g, B: int, K: int, V: int) -> None:
+    """greedy, rejection and one-hot verification, and target_probs with and without top-k / top-p."""
     # drafts that the target often (not always) agrees with: peaked target, draft = noisy target
     logits = torch.randn(B, K + 1, V, device=DEV, generator=g) * 4
     p = torch.softmax(logits, -1)
@@ -146,6 +142,20 @@ def main():
            lambda: kernels.onehot_verify(x, p, ua, us, backend="torch"), B * V * f4 + B * K * 2 * f4,
            {"mean_accepted": out.num_accepted.float().mean().item()})
 
+    temp = torch.full((B,), 0.8, device=DEV)
+    topk = torch.full((B,), 50, dtype=torch.long, device=DEV)
+    topp = torch.full((B,), 0.9, device=DEV)
+    record("target_probs (t,k,p)", [B, K + 1, V],
+           lambda: kernels.target_probs(logits, temp, topk, topp, backend="triton"),
+           lambda: kernels.target_probs(logits, temp, topk, topp, backend="torch"), 2 * B * (K + 1) * V * f4)
+    record("target_probs (t only)", [B, K + 1, V],
+           lambda: kernels.target_probs(logits, temp, 0, 1.0, backend="triton"),
+           lambda: kernels.target_probs(logits, temp, 0, 1.0, backend="torch"), 2 * B * (K + 1) * V * f4)
+
+
+def bench_tree(record, g, B: int, V: int, N: int) -> None:
+    """tree verification of an N-node EAGLE-style tree, target-only."""
+    f4 = 4
     # tree: root + a chain of depth K + side branches, one per level (a small EAGLE-style tree)
     cand = torch.randint(0, V, (B, N), device=DEV, generator=g)
     nt = torch.full((B, N), -1, dtype=torch.long, device=DEV)
@@ -170,18 +180,9 @@ def main():
            lambda: kernels.tree_verify(cand, nt, ns, tp, coins, cf, depth, backend="torch"), B * V * f4,
            {"mean_accepted": out.num_accepted.float().mean().item(), "max_depth": depth})
 
-    temp = torch.full((B,), 0.8, device=DEV)
-    topk = torch.full((B,), 50, dtype=torch.long, device=DEV)
-    topp = torch.full((B,), 0.9, device=DEV)
-    record("target_probs (t,k,p)", [B, K + 1, V],
-           lambda: kernels.target_probs(logits, temp, topk, topp, backend="triton"),
-           lambda: kernels.target_probs(logits, temp, topk, topp, backend="torch"), 2 * B * (K + 1) * V * f4)
-    record("target_probs (t only)", [B, K + 1, V],
-           lambda: kernels.target_probs(logits, temp, 0, 1.0, backend="triton"),
-           lambda: kernels.target_probs(logits, temp, 0, 1.0, backend="torch"), 2 * B * (K + 1) * V * f4)
-    del logits, p, q, tp, tree_logits
 
-    # ---------------------------------------------------------------- soft cross-entropy
+def bench_soft_ce(record, g, M: int, Vd: int) -> dict:
+    """the fused soft cross-entropy, forward + backward and forward alone; returns the peak extra memory (CUDA)."""
     d = (torch.randn(M, Vd, device=DEV, generator=g) * 2).bfloat16().requires_grad_()
     t = (torch.randn(M, Vd, device=DEV, generator=g) * 2).bfloat16()
     go = torch.ones(M, device=DEV)
@@ -205,8 +206,11 @@ def main():
            {"peak_extra_MiB_triton": mem.get("triton"), "peak_extra_MiB_torch": mem.get("torch")})
     record("soft_ce fwd bf16", [M, Vd], lambda: kernels.soft_cross_entropy(d.detach(), t, backend="triton"),
            lambda: kernels.soft_cross_entropy(d.detach(), t, backend="torch"), 2 * M * Vd * 2)
+    return mem
 
-    # ---------------------------------------------------------------- report
+
+def print_report(info: dict, rows: list, mem: dict, copy_mib: int) -> None:
+    bw_copy = info["copy_bandwidth_GBps"] * 1e9
     print()
     print(f"device: {info['device']}  torch {info['torch']}  triton {info['triton']}"
           f"{'  (interpreter)' if info['interpreter'] else ''}")
@@ -224,6 +228,19 @@ def main():
         Path(ARGS.out).write_text(json.dumps({"info": info, "results": rows}, indent=2))
         print(f"\nwrote {ARGS.out}")
 
+
+def main():
+    B = ARGS.batch or (64 if CUDA else 4)
+    V = ARGS.vocab or (128256 if CUDA else 4096)
+    copy_mib = ARGS.copy_mib or (4096 if CUDA else 64)
+    g = torch.Generator(device=DEV).manual_seed(ARGS.seed)
+    info = machine_info(copy_mib)
+    rows: list = []
+    record = recorder(rows, info["copy_bandwidth_GBps"] * 1e9)
+    bench_verify(record, g, B, ARGS.k, V)
+    bench_tree(record, g, B, V, ARGS.tree_nodes)
+    mem = bench_soft_ce(record, g, ARGS.ce_rows or (16384 if CUDA else 32), ARGS.ce_vocab or (32000 if CUDA else 2048))
+    print_report(info, rows, mem, copy_mib)
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,7 @@ real feed lays them out (global micro-batch list, rank r takes r, r+W, ...): wit
 global batch (micro × accumulation × ranks) a run on 1 GPU and on 2 GPUs sees the same rows in
 every optimizer step, so their loss curves must agree within bf16 noise.
 
-Resume on another number of GPUs (issue #15): ``--kill-at-step S`` (with ``--save-every S``) kills
+Resume on another number of GPUs: ``--kill-at-step S`` (with ``--save-every S``) kills
 every rank right after the step-S checkpoint is written; the same command with ``--resume`` on
 another number of GPUs and the ``--accum`` that keeps the global batch continues it::
 
@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_train import CONFIGS, matmul_peak, step_flops  # noqa: E402
+from run_paths import relative  # noqa: E402
 
 from specheads.config import load_recipe  # noqa: E402
 from specheads.heads import HeadConfig  # noqa: E402
@@ -208,6 +209,7 @@ def main(argv=None) -> int:
         "wall_s": wall, "final_dir": summary["final_dir"],
         "checkpoint": summary["checkpoint"],
     }
+    res = relative(res, run_dir)  # the run's own paths, not the machine's
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.tag}.rank{rank}.json").write_text(json.dumps(res, indent=1))
     if rank == 0:

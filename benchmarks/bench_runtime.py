@@ -1,4 +1,4 @@
-"""Runtime speed (issue 14): plain decode and speculative decoding with each drafter, side by side,
+"""Runtime speed: plain decode and speculative decoding with each drafter, side by side,
 at several batch sizes, on the real SmolLM2 weights (the bundled GGUF) by default.
 
     python benchmarks/bench_runtime.py --device cuda --cuda-graphs --batches 1,8,48 --out runs/bench.json
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,8 @@ import torch
 from specheads.data.formats import load_prompts
 from specheads.data.sources import resolve_source
 from specheads.runtime.drafters import NGramDrafter, drafter_for_head, make_drafter
-from specheads.runtime.generate import Generation, Request, generate, generate_continuous
+from specheads.runtime.engines.continuous import Request, generate_continuous
+from specheads.runtime.engines.static import Generation, generate
 from specheads.runtime.model import TargetModel
 from specheads.target import load_target
 
@@ -82,20 +82,24 @@ DRAFTERS = ("plain", "ngram", "head", "hybrid", "hybrid_fixed")   # hybrid_fixed
 # engine name -> torch.compile options for the target's layers and the head's step (None: eager). At batch 1
 # a compiled decode step is ~50% cuBLAS GEMMs of ~3.8 us each for ~1.7 MB of weights (launch-latency bound,
 # H200 2026-12-01): max-autotune lets Inductor time its own Triton GEMMs against them for these shapes
-# (they came within ~5% of cuBLAS, and tuning took minutes: BENCHMARKS.md, second H200 sitting).
+# (they came within ~5% of cuBLAS, and tuning took minutes on an H200, 2026-12-01).
 ENGINES = {"eager": None, "compiled": {}, "compiled_layers": {}, "compiled_eager_inputs": {}, "compiled_as_r3": {},
            "autotune": {"mode": "max-autotune-no-cudagraphs"}}
-# The A/B for the fourth H200 sitting, where compiling the forward's inputs, a step's bookkeeping and the
-# drafters' units too made drafted steps faster at batch 1 and ~0.35 ms slower at batch 8 and 48. Each engine
-# leaves one more part eager, so neighbouring rows tell which part is slow:
+# An A/B of the compiled parts (H200, 2026-12-01/02: compiling the forward's inputs, a step's bookkeeping and the
+# drafters' units each made a step faster). Each engine leaves one more part eager, so neighbouring rows tell which
+# part pays:
 #   compiled_eager_inputs: the forward's inputs eager;
 #   compiled_layers: the inputs and the bookkeeping eager (the target's layers compiled, drafters as "compiled");
-#   compiled_as_r3: that, and the drafters as in the third sitting too (the head's call compiled, its first
-#   pass and chain, the n-gram match and the hybrid's choice eager)
+#   compiled_as_r3: that, and the drafters' units eager too (the head's call compiled, its first pass and chain,
+#   the n-gram match and the hybrid's choice eager)
 ENGINE_PARTS = {"compiled_layers": {"inputs": False, "bookkeeping": False},
                 "compiled_eager_inputs": {"inputs": False},
                 "compiled_as_r3": {"inputs": False, "bookkeeping": False}}
 DRAFTER_UNITS = {"compiled_as_r3": False}            # HeadDrafter.compile(units=...): default True
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # runtime_profile.py, runtime_report.py beside this file
+from runtime_profile import RecompileLimitHits, graph_timeline, kernel_count, sort_key  # noqa: E402
+from runtime_report import markdown, plot, table_rows  # noqa: E402
 
 
 def sync(dev):
@@ -249,10 +253,10 @@ def bench_hf(model, tok, prompts, new, dev):
 def load_head(path, tgt, m):
     """An exported head made whole for (and checked against) the target, as the eval stage loads it."""
     if hasattr(tgt, "identity"):
-        from specheads.export.convert import load_head_for
+        from specheads.formats.convert import load_head_for
         head, _meta = load_head_for(path, tgt)
     else:                                                          # random weights: no identity to check
-        from specheads.export import load_any
+        from specheads.formats import load_any
         head, _meta, _fmt = load_any(path)
         emb = getattr(head, "embed_tokens", None)
         if emb is not None and not bool(emb.weight.any()):
@@ -280,68 +284,7 @@ def random_head(tgt, m, draft_vocab: int = 32000):
     return drafter_for_head(head, name="random eagle3", target_vocab_size=m.args.vocab_size)
 
 
-class RecompileLimitHits(logging.Handler):
-    """Counts dynamo's "hit config.recompile_limit" warnings: past that limit a compiled function runs
-    new shapes eagerly, and a compiled row then silently measures eager code."""
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.hits: list[str] = []
-        logging.getLogger("torch._dynamo.convert_frame").addHandler(self)
-
-    def emit(self, record):
-        msg = record.getMessage()
-        if "recompile_limit" in msg:
-            self.hits.append(msg.splitlines()[1].strip() if "\n" in msg else msg)
-
-    def detach(self) -> list[str]:
-        logging.getLogger("torch._dynamo.convert_frame").removeHandler(self)
-        return self.hits
-
-
 # ------------------------------------------------------------------------------ profile
-def _sort_key(dev):
-    return "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-
-
-def device_events(prof) -> list:
-    """The profiler's device-side events (kernels, copies, memsets) in start order."""
-    from torch.autograd import DeviceType
-    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-
-
-def kernel_count(prof) -> dict:
-    """Kernels one profiled step launched and their summed device time: in a launch-bound step the
-    count is the cost to cut (the table shows only the longest rows)."""
-    ev = device_events(prof)
-    return {"kernels_per_step": len(ev),
-            "kernel_us_per_step": sum(getattr(e, "device_time", 0.0) or 0.0 for e in ev)} if ev else {}
-
-
-def graph_timeline(prof, steps: int, trace_path: str | None = None) -> dict:
-    """Where a graphed step's device time goes: its kernels (and copies) back to back against the span from the
-    first one's start to the last one's end, and the longest idle gaps between two of them, summed over the
-    profiled steps by the pair of names around them. The eager profile's kernel sum misses what the graph adds:
-    on the H200 (2026-12-04) a process's graphed steps slowed by ~0.12 ms once it held more graphs, all of it idle
-    time between kernels that ran as fast as before."""
-    ev = device_events(prof)
-    if trace_path:
-        prof.export_chrome_trace(trace_path)
-    if not ev:
-        return {}
-    busy = sum(e.time_range.end - e.time_range.start for e in ev)
-    gaps: dict = {}
-    for a, b in zip(ev, ev[1:]):
-        g = b.time_range.start - a.time_range.end
-        if g > 0:
-            key = f"{a.name[:60]} -> {b.name[:60]}"
-            n, t = gaps.get(key, (0, 0.0))
-            gaps[key] = (n + 1, t + g)
-    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:12]
-    return {"graph_kernels_per_step": len(ev) / steps, "graph_busy_us_per_step": busy / steps,
-            "graph_span_us_per_step": (ev[-1].time_range.end - ev[0].time_range.start) / steps,
-            "graph_gaps": [{"between": k, "count": n, "us_per_step": t / steps} for k, (n, t) in top]}
-
-
 def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10, skip=0, trace=None):
     """Per drafter: ms per decode step of ``prompts`` as one batch (eager and graphed) and a profiler
     table of one eager step; ``skip`` more steps run first, so the timed ones attend over a longer
@@ -378,7 +321,7 @@ def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10, skip=0, trace=
                     gen.run(max_steps=1)
                     sync(dev)
                 try:
-                    table = prof.key_averages().table(sort_by=_sort_key(dev), row_limit=40)
+                    table = prof.key_averages().table(sort_by=sort_key(dev), row_limit=40)
                 except (KeyError, AttributeError, ValueError):
                     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
                 row["table"] = table
@@ -388,27 +331,6 @@ def profile_steps(m, prompts, drafters, k, graphs, dev, steps=10, skip=0, trace=
 
 
 # ------------------------------------------------------------------------------ output
-def table_rows(eng, B, rows, after=None) -> list[dict]:
-    """The table's rows of one engine and batch from its timed runs ``rows`` [(drafter, bench_engine result)],
-    plain first; ``after``: plain timed again after the drafted rows (None: not re-timed)."""
-    base = rows[0][1]
-    out = []
-    for name, r in rows:
-        sp = r["tokens_per_s"] / base["tokens_per_s"]
-        # the same prefill is in both runs' time; the decode speedup is the drafting's own
-        dsp = r["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-        row = {"engine": eng, "batch": B, "drafter": name, "plain_tokens_per_s": base["tokens_per_s"],
-               "speedup": sp, "speedup_over_tau": sp / r["tau"],
-               "decode_speedup": dsp, "decode_speedup_over_tau": dsp / r["tau"]}
-        if after is not None:
-            spa = r["tokens_per_s"] / after["tokens_per_s"]
-            row.update({"plain_after_tokens_per_s": after["tokens_per_s"],
-                        "plain_after_lossless": after["outputs"] == base["outputs"],
-                        "speedup_vs_plain_after": spa, "speedup_vs_plain_after_over_tau": spa / r["tau"]})
-        out.append({**row, **{k: v for k, v in r.items() if k != "outputs"}})
-    return out
-
-
 def isolated(a, batches, wanted) -> dict:
     """--isolate: each (engine, batch, row) timed by this script in a process of its own, then tabled as one run."""
     child = [sys.executable, str(Path(__file__).resolve()), "--device", a.device, "--target", a.target,
@@ -460,102 +382,9 @@ def isolated(a, batches, wanted) -> dict:
     return res
 
 
-def markdown(res) -> str:
-    lines = [f"### Decode speed, {res['target']}, {res['device']}, {res['dtype']}, graphs={res['cuda_graphs']}, "
-             f"{res['new_tokens']} new tokens, greedy, k={res['k']}"
-             + (", every row in a process of its own" if res.get("isolated") else ""), "",
-             "| engine | batch | drafter | τ | tok/s | tok/s after prefill | plain tok/s | speedup | speedup ÷ τ | "
-             "speedup after prefill ÷ τ | plain tok/s, re-timed after | speedup ÷ τ against it | tok/s ÷ eager plain |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    eager_plain = {r["batch"]: r["tokens_per_s"] for r in res["rows"]
-                   if r["drafter"] == "plain" and r.get("engine", "eager") == res.get("engines", ["eager"])[0]}
-    for r in res["rows"]:
-        lines.append(f"| {r.get('engine', 'eager')} | {r['batch']} | {r['drafter']} | {r['tau']:.2f} | "
-                     f"{r['tokens_per_s']:,.0f} | {r['decode_tokens_per_s']:,.0f} | "
-                     f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | "
-                     f"{r['speedup_over_tau']:.2f} | {r['decode_speedup_over_tau']:.2f} | "
-                     f"{r.get('plain_after_tokens_per_s', r['plain_tokens_per_s']):,.0f} | "
-                     f"{r.get('speedup_vs_plain_after_over_tau', r['speedup_over_tau']):.2f} | "
-                     f"{r['tokens_per_s'] / eager_plain[r['batch']]:.2f}× |")
-    timed = [r for r in res["rows"] if r.get("step_times")]
-    if timed:
-        lines += ["", "GPU time per decode step by attention width (CUDA events, one more run; idle = the device's "
-                  "gap before a step):", "", "| engine | batch | drafter | width | steps | GPU ms/step | idle ms |",
-                  "|---|---:|---|---:|---:|---:|---:|"]
-        for r in timed:
-            for kv, t in r["step_times"].items():
-                lines.append(f"| {r.get('engine', 'eager')} | {r['batch']} | {r['drafter']} | {kv} | {t['steps']} | "
-                             f"{t['step_ms']:.3f} | {t['gap_ms']:.3f} |")
-    if res.get("serving"):
-        sv = res["serving"]
-        lines += ["", f"Serving: {sv[0]['requests']} requests of {res.get('serve_prompts')} through B slots, continuous "
-                  f"batching (stop at EOS, at most {res['new_tokens']} new tokens), prefills included:", "",
-                  "| engine | slots | harvest | drafter | τ | tok/s | plain tok/s | speedup | speedup ÷ τ | target steps | "
-                  "lossless |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|"]
-        for r in sv:
-            lines.append(f"| {r['engine']} | {r['batch']} | {r.get('harvest', 'sync')} | {r['drafter']} | {r['tau']:.2f} | "
-                         f"{r['tokens_per_s']:,.0f} | "
-                         f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {r['speedup_over_tau']:.2f} | "
-                         f"{r['steps']} | {'yes' if r['lossless'] else '**no**'} |")
-        cats = sorted({c for r in sv for c in r["tau_by_category"]})
-        drafted = [r for r in sv if r["drafter"] != "plain"]
-        if drafted and cats:
-            lines += ["", "Serving τ per category:", "", "| engine | slots | drafter | " + " | ".join(cats) + " |",
-                      "|---|---:|---|" + "---:|" * len(cats)]
-            for r in drafted:
-                lines.append(f"| {r['engine']} | {r['batch']} | {r['drafter']} | "
-                             + " | ".join(f"{r['tau_by_category'].get(c, 0):.2f}" for c in cats) + " |")
-    if res.get("hf"):
-        lines += ["", "| batch | HF generate tok/s | engine plain tok/s | engine ÷ HF |", "|---:|---:|---:|---:|"]
-        for b, hf in res["hf"].items():
-            eng = eager_plain[int(b)]
-            lines.append(f"| {b} | {hf['tokens_per_s']:,.1f} | {eng:,.1f} | {eng / hf['tokens_per_s']:.1f}× |")
-    return "\n".join(lines)
-
-
-def plot(res, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    # speedup over the first engine's plain decoding, so a compiled engine's own gain shows too
-    first = res.get("engines", ["eager"])[0]
-    plain = {r["batch"]: r["tokens_per_s"] for r in res["rows"] if r["drafter"] == "plain"
-             and r.get("engine", "eager") == first}
-    names = list(dict.fromkeys((r.get("engine", "eager"), r["drafter"]) for r in res["rows"]
-                               if not (r["drafter"] == "plain" and r.get("engine", "eager") == first)))
-    colors: dict = {}                               # one colour per drafter: its static and served lines alike
-
-    def color(name):
-        return colors.setdefault(name, f"C{len(colors)}")
-
-    for eng, name in names:
-        rows = [r for r in res["rows"] if r["drafter"] == name and r.get("engine", "eager") == eng]
-        ax.plot([r["batch"] for r in rows], [r["tokens_per_s"] / plain[r["batch"]] for r in rows], marker="o",
-                color=color(name if len(res.get("engines", ["eager"])) == 1 else (name, eng)),
-                label=name if len(res.get("engines", ["eager"])) == 1 else f"{name}, {eng}")
-    serving = [r for r in res.get("serving", []) if r["drafter"] != "plain" and r["engine"] == first]
-    for name in dict.fromkeys(r["drafter"] for r in serving):
-        rows = [r for r in serving if r["drafter"] == name]
-        ax.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], marker="s", ls=":", color=color(name),
-                label=f"{name}, served")
-    ax.axhline(1.0, color="grey", lw=1, ls="--", label=f"plain, {first}")
-    ax.set_xscale("log", base=2)
-    batches = sorted({r["batch"] for r in res["rows"]})
-    ax.set_xticks(batches)
-    ax.set_xticklabels([str(b) for b in batches])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.set_title(f"{res['target']}, {res['device']}, k={res['k']}", fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before anything loads; adds the parsed lists (batch_sizes, wanted, engine_names,
+    harvests) to the namespace."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on cuda, fp32 on cpu)")
@@ -606,78 +435,209 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.head and a.random_head:
         ap.error("--head and --random-head: pick one")
-    dev = torch.device(a.device)
-    dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    batches = [int(b) for b in a.batches.split(",")]
-    wanted = [d.strip() for d in a.drafters.split(",") if d.strip()]
-    bad = [d for d in wanted if d not in DRAFTERS]
+    a.batch_sizes = [int(b) for b in a.batches.split(",")]
+    a.wanted = [d.strip() for d in a.drafters.split(",") if d.strip()]
+    bad = [d for d in a.wanted if d not in DRAFTERS]
     if bad:
         ap.error(f"unknown drafters {bad}; choose from {DRAFTERS}")
     if a.isolate and (a.profile or a.profile_only or a.profile_all or a.serve or a.hf):
         ap.error("--isolate times the static rows only: no --profile, --serve or --hf with it")
-    if a.isolate:
-        return isolated(a, batches, wanted)
     if a.isolated_row:
-        wanted = [] if a.isolated_row == "plain" else [a.isolated_row]
-    if a.profile_batch is not None and a.profile_batch not in batches:
-        ap.error(f"--profile-batch {a.profile_batch} must be one of --batches {batches}")
+        a.wanted = [] if a.isolated_row == "plain" else [a.isolated_row]
+    if a.profile_batch is not None and a.profile_batch not in a.batch_sizes:
+        ap.error(f"--profile-batch {a.profile_batch} must be one of --batches {a.batch_sizes}")
+    if a.serve and a.random_weights:
+        ap.error("--serve needs the real target (its tokenizer and chat template)")
+    a.harvests = [h.strip() for h in a.serve_harvest.split(",") if h.strip()]
+    if not a.harvests or set(a.harvests) - {"pipelined", "sync"}:
+        ap.error(f"--serve-harvest: pipelined, sync or both, comma-separated; got {a.serve_harvest!r}")
+    a.engine_names = [e.strip() for e in a.engines.split(",") if e.strip()]
+    if not a.engine_names or set(a.engine_names) - set(ENGINES):
+        ap.error(f"--engines: a comma list of {','.join(ENGINES)}; got {a.engines!r}")
+    return a
+
+
+def load_inputs(a, dtype: str):
+    """The target, the static batch's prompts (the largest batch's worth), the target's name and the served
+    request stream (empty without --serve)."""
+    n = max(a.batch_sizes)
     if a.random_weights:
         tgt = random_smollm2(dtype, a.device)
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 49152, (40 + 7 * (i % 8),), generator=g).tolist() for i in range(max(batches))]
+        prompts = [torch.randint(0, 49152, (40 + 7 * (i % 8),), generator=g).tolist() for i in range(n)]
         target_name = "SmolLM2-135M (random weights)"
     else:
         tgt = load_target(a.target, dtype=dtype, device=a.device)
-        prompts = prompts_for(tgt.tokenizer, max(batches))
+        prompts = prompts_for(tgt.tokenizer, n)
         target_name = getattr(tgt, "name", a.target)
-    stream = []
-    if a.serve:
-        if a.random_weights:
-            ap.error("--serve needs the real target (its tokenizer and chat template)")
-        stream = serve_prompts(tgt.tokenizer, a.serve_prompts, a.serve)
-    harvests = [h.strip() for h in a.serve_harvest.split(",") if h.strip()]
-    if not harvests or set(harvests) - {"pipelined", "sync"}:
-        ap.error(f"--serve-harvest: pipelined, sync or both, comma-separated; got {a.serve_harvest!r}")
-    max_seq = max(len(p) for p in prompts + [p for p, _ in stream]) + a.new_tokens + a.k + 64
-    engine_names = [e.strip() for e in a.engines.split(",") if e.strip()]
-    if not engine_names or set(engine_names) - set(ENGINES):
-        ap.error(f"--engines: a comma list of {','.join(ENGINES)}; got {a.engines!r}")
-    graphs = a.cuda_graphs and dev.type == "cuda"
-    engines = {}                                  # name -> (engine, [(drafter name, factory)])
-    for eng in engine_names:
-        m = TargetModel.from_hf(tgt.model, max_batch=max(batches), max_seq=max_seq)
-        needs_head = any(w in ("head", "hybrid", "hybrid_fixed") for w in wanted)
+    stream = serve_prompts(tgt.tokenizer, a.serve_prompts, a.serve) if a.serve else []
+    return tgt, prompts, target_name, stream
+
+
+def make_drafters(a, eng: str, head, units: bool) -> list:
+    """(name, factory) per wanted drafter of one engine: a fresh drafter per batch; factory(serve=True): its
+    n-gram side on the device on a CPU too (continuous batching needs row state on the device; the host
+    reference keeps none)."""
+    kw_eng = ENGINES[eng]
+    drafters = []
+    for name in a.wanted:
+        if name == "ngram":                                  # 1..4, the eval default
+            def ngram(serve=False, kw=kw_eng, units=units):
+                d = NGramDrafter(backend="device" if serve else "auto")
+                return d if kw is None or not units else d.compile(**kw)
+            drafters.append(("ngram", ngram))
+        elif name in ("head", "hybrid", "hybrid_fixed") and head is not None:
+            if name == "head":
+                drafters.append((f"head ({head.cfg.kind})", lambda serve=False, h=head: h))
+            else:
+                # compiled: the n-gram side and the choice too (the head's units already are)
+                def hybrid(serve=False, h=head, kw=kw_eng, ad=name == "hybrid", units=units):
+                    d = make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad,
+                                     ngram_backend="device" if serve else "auto")
+                    return d if kw is None else d.compile(units=units, **kw)
+                drafters.append((f"hybrid{'' if name == 'hybrid' else ' fixed'} (min_match {a.min_match})",
+                                 hybrid))
+    return drafters
+
+
+def build_engines(a, tgt, max_seq: int) -> dict:
+    """engine name -> (TargetModel, [(drafter name, factory)]), each engine with its own model and head."""
+    engines = {}
+    for eng in a.engine_names:
+        m = TargetModel.from_hf(tgt.model, max_batch=max(a.batch_sizes), max_seq=max_seq)
+        needs_head = any(w in ("head", "hybrid", "hybrid_fixed") for w in a.wanted)
         head = (load_head(a.head, tgt, m) if a.head else random_head(tgt, m) if a.random_head else None) \
             if needs_head else None
         units = DRAFTER_UNITS.get(eng, True)
         if ENGINES[eng] is not None:
             m.compile_layers(**ENGINE_PARTS.get(eng, {}), **ENGINES[eng])
             head = head.compile(units=units, **ENGINES[eng]) if head is not None else None
-        # (name, factory): a fresh drafter per batch; factory(serve=True): its n-gram side on the device on a
-        # CPU too (continuous batching needs row state on the device; the host reference keeps none)
-        drafters = []
-        for name in wanted:
-            if name == "ngram":                                  # 1..4, the eval default
-                def ngram(serve=False, kw=ENGINES[eng], units=units):
-                    d = NGramDrafter(backend="device" if serve else "auto")
-                    return d if kw is None or not units else d.compile(**kw)
-                drafters.append(("ngram", ngram))
-            elif name in ("head", "hybrid", "hybrid_fixed") and head is not None:
-                if name == "head":
-                    drafters.append((f"head ({head.cfg.kind})", lambda serve=False, h=head: h))
-                else:
-                    # compiled: the n-gram side and the choice too (the head's units already are)
-                    def hybrid(serve=False, h=head, kw=ENGINES[eng], ad=name == "hybrid", units=units):
-                        d = make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad,
-                                         ngram_backend="device" if serve else "auto")
-                        return d if kw is None else d.compile(units=units, **kw)
-                    drafters.append((f"hybrid{'' if name == 'hybrid' else ' fixed'} (min_match {a.min_match})",
-                                     hybrid))
-        engines[eng] = (m, drafters)
+        engines[eng] = (m, make_drafters(a, eng, head, units))
+    return engines
+
+
+def isolated_row(a, engines, prompts, graphs, res, save) -> dict:
+    """A child of --isolate: one row, outputs included, for the parent to compare."""
+    (m, drafters), = engines.values()
+    B, = a.batch_sizes
+    if a.isolated_row != "plain" and not drafters:  # head or hybrid without --head: no such row
+        save()
+        return res
+    name, make = ("plain", None) if a.isolated_row == "plain" else drafters[0]
+    kw = dict(drafter=make(), k=a.k) if make else {}
+    res["row"] = {"drafter": name, **bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs, **kw)}
+    save()
+    return res
+
+
+def bench_static(a, engines, tgt, prompts, graphs, dev, res, save) -> None:
+    """The static-batch rows: per engine and batch, plain, every drafter, then plain again."""
+    reference = {}                            # batch -> the first engine's plain outputs
+    for eng, (m, drafters) in engines.items():
+        for B in a.batch_sizes:
+            t0 = time.perf_counter()
+            base = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs)
+            base["lossless"] = base["outputs"] == reference.setdefault(B, base["outputs"])
+            rows = [("plain", base)]
+            for name, make in drafters:
+                r = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, drafter=make(), k=a.k,
+                                 use_cuda_graphs=graphs)
+                r["lossless"] = r["outputs"] == base["outputs"]
+                rows.append((name, r))
+            # plain once more, after the drafted rows: on the H200 (2026-12-04) every graphed step of a process
+            # ran ~0.12 ms slower once a second kind of step had been captured, plain or drafted, whichever came
+            # first; the drafted rows always come second, so their speedup is also given against this run
+            after = (bench_engine(m, prompts[:B], a.new_tokens, a.repeat, warm_up=False, use_cuda_graphs=graphs)
+                     if drafters else base)
+            res["rows"] += table_rows(eng, B, rows, after)
+            if a.hf and eng == a.engine_names[0]:
+                res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
+            print(f"{eng} engine, batch {B} done ({time.perf_counter() - t0:.0f} s with warm-up and "
+                  f"compilation)", flush=True)
+            save()                    # what is measured so far survives a run cut short by a time limit
+
+
+def bench_serve(a, engines, stream, graphs, res, save) -> None:
+    """--serve: the request stream through B slots with continuous batching, plain and with each drafter."""
+    res["serve_prompts"], res["serving"] = a.serve_prompts, []
+    for eng, (m, drafters) in engines.items():
+        for B, harvest in [(b, h) for b in a.batch_sizes if b > 1 for h in a.harvests]:
+            t0 = time.perf_counter()
+            # refills gathered: a prefill is one eager forward, dearer than the idle slots it saves
+            kw = dict(use_cuda_graphs=graphs, sync_every=a.serve_sync_every, refill_at=max(1, B // 8),
+                      pipeline_harvest=harvest == "pipelined")
+            base = bench_serving(m, stream, B, a.new_tokens, a.repeat, **kw)
+            rows = [("plain", base)]
+            for name, make in drafters:
+                rows.append((name, bench_serving(m, stream, B, a.new_tokens, a.repeat, drafter=make(serve=True),
+                                                 k=a.k, **kw)))
+            for name, r in rows:
+                sp = r["tokens_per_s"] / base["tokens_per_s"]
+                res["serving"].append({"engine": eng, "batch": B, "harvest": harvest, "drafter": name, "speedup": sp,
+                                       "speedup_over_tau": sp / r["tau"], "plain_tokens_per_s": base["tokens_per_s"],
+                                       "lossless": r["outputs"] == base["outputs"],
+                                       **{k: v for k, v in r.items() if k != "outputs"}})
+            print(f"{eng} engine, serving at {B} slots ({harvest} harvest) done ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+            save()
+
+
+def print_report(a, res, limit_hits, dtype: str) -> None:
+    print()
+    print(markdown(res))
+    if any(ENGINES[e] is not None for e in a.engine_names):
+        print(f"\ntorch.compile recompile limit hit {len(limit_hits.hits)} time(s)"
+              + (f" ({'; '.join(limit_hits.hits)}): those shapes ran eagerly" if limit_hits.hits else ""))
+    lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] + res.get("serving", [])
+             if r.get("lossless") is False]
+    # static rows: against the first engine's plain batch; serving rows: against plain serving through the same
+    # slots and harvest (whose batches differ from the drafted run's: bf16 kernels that are not batch-invariant
+    # can flip near-ties there)
+    print(f"\ngreedy outputs identical to plain decoding: {'all rows' if not lossy else f'NOT for {lossy}'}"
+          + (" (bf16: batch-variant kernels can flip near-ties; fp32 rows are exact)" if lossy and dtype == "bfloat16"
+             else ""))
+
+
+def run_profile(a, engines, prompts, graphs, dev, res) -> None:
+    """--profile: one plain and one (or, --profile-all, every) drafted step on the last engine, printed."""
+    m, drafters = engines[a.engine_names[-1]]              # the last engine: the one under study
+    chosen = [("plain", None)]
+    # the last requested drafter (hybrid > head > ngram), or every one with --profile-all
+    for name, make in (drafters if a.profile_all else drafters[::-1][:1]):
+        chosen.append((name, make()))
+    pb = a.profile_batch or a.batch_sizes[0]
+    prof = profile_steps(m, prompts[:pb], chosen, a.k, graphs, dev, skip=a.profile_skip, trace=a.trace)
+    res["profile_skip"], res["profile_batch"] = a.profile_skip, pb
+    res["profile"] = {n: {k: v for k, v in r.items() if k != "table"} for n, r in prof.items()}
+    for name, r in prof.items():
+        times = ", ".join(f"{k.replace('_ms_per_step', '')} {v:.2f} ms/step" for k, v in r.items()
+                          if k.endswith("_ms_per_step"))
+        if "kernels_per_step" in r:
+            times += f"; {r['kernels_per_step']} kernels, {r['kernel_us_per_step']:.0f} µs of them"
+        print(f"\n### Profile: one {name} decode step, batch {pb} ({times})\n")
+        print(r["table"])
+        if "graph_span_us_per_step" in r:
+            print(f"\nGraphed: {r['graph_kernels_per_step']:.0f} device ops a step, busy "
+                  f"{r['graph_busy_us_per_step']:.0f} µs of a {r['graph_span_us_per_step']:.0f} µs span; "
+                  "the longest gaps (µs a step):\n")
+            for g in r["graph_gaps"]:
+                print(f"- {g['us_per_step']:.1f} ({g['count']} gaps): {g['between']}")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.isolate:
+        return isolated(a, a.batch_sizes, a.wanted)
+    dev = torch.device(a.device)
+    dtype = a.dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    tgt, prompts, target_name, stream = load_inputs(a, dtype)
+    max_seq = max(len(p) for p in prompts + [p for p, _ in stream]) + a.new_tokens + a.k + 64
+    graphs = a.cuda_graphs and dev.type == "cuda"
+    engines = build_engines(a, tgt, max_seq)
     res = {"target": target_name, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": dtype, "cuda_graphs": graphs, "new_tokens": a.new_tokens, "k": a.k,
            "head": a.head or ("random (untrained)" if a.random_head else None),
-           "min_match": a.min_match, "torch": torch.__version__, "engines": engine_names, "rows": [], "hf": {},
+           "min_match": a.min_match, "torch": torch.__version__, "engines": a.engine_names, "rows": [], "hf": {},
            # decode attention: "triton" (kernels.decode_attention) or "torch" (SDPA; SPECHEADS_KERNELS=torch)
            "attention": next(iter(engines.values()))[0].layers[0].attn_backend}
 
@@ -686,103 +646,17 @@ def main(argv=None):
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(res, indent=2))
 
-    if a.isolated_row:                           # one row, outputs included, for the parent to compare
-        (m, drafters), = engines.values()
-        B, = batches
-        if a.isolated_row != "plain" and not drafters:  # head or hybrid without --head: no such row
-            save()
-            return res
-        name, make = ("plain", None) if a.isolated_row == "plain" else drafters[0]
-        kw = dict(drafter=make(), k=a.k) if make else {}
-        res["row"] = {"drafter": name, **bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs, **kw)}
-        save()
-        return res
-
+    if a.isolated_row:
+        return isolated_row(a, engines, prompts, graphs, res, save)
     if not a.profile_only:
         limit_hits = RecompileLimitHits()
-        reference = {}                            # batch -> the first engine's plain outputs
-        for eng, (m, drafters) in engines.items():
-            for B in batches:
-                t0 = time.perf_counter()
-                base = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, use_cuda_graphs=graphs)
-                base["lossless"] = base["outputs"] == reference.setdefault(B, base["outputs"])
-                rows = [("plain", base)]
-                for name, make in drafters:
-                    r = bench_engine(m, prompts[:B], a.new_tokens, a.repeat, drafter=make(), k=a.k,
-                                     use_cuda_graphs=graphs)
-                    r["lossless"] = r["outputs"] == base["outputs"]
-                    rows.append((name, r))
-                # plain once more, after the drafted rows: on the H200 (2026-12-04) every graphed step of a process
-                # ran ~0.12 ms slower once a second kind of step had been captured, plain or drafted, whichever came
-                # first; the drafted rows always come second, so their speedup is also given against this run
-                after = (bench_engine(m, prompts[:B], a.new_tokens, a.repeat, warm_up=False, use_cuda_graphs=graphs)
-                         if drafters else base)
-                res["rows"] += table_rows(eng, B, rows, after)
-                if a.hf and eng == engine_names[0]:
-                    res["hf"][str(B)] = bench_hf(tgt.model, tgt.tokenizer, prompts[:B], a.new_tokens, dev)
-                print(f"{eng} engine, batch {B} done ({time.perf_counter() - t0:.0f} s with warm-up and "
-                      f"compilation)", flush=True)
-                save()                    # what is measured so far survives a run cut short by a time limit
+        bench_static(a, engines, tgt, prompts, graphs, dev, res, save)
         if stream:
-            res["serve_prompts"], res["serving"] = a.serve_prompts, []
-            for eng, (m, drafters) in engines.items():
-                for B, harvest in [(b, h) for b in batches if b > 1 for h in harvests]:
-                    t0 = time.perf_counter()
-                    # refills gathered: a prefill is one eager forward, dearer than the idle slots it saves
-                    kw = dict(use_cuda_graphs=graphs, sync_every=a.serve_sync_every, refill_at=max(1, B // 8),
-                              pipeline_harvest=harvest == "pipelined")
-                    base = bench_serving(m, stream, B, a.new_tokens, a.repeat, **kw)
-                    rows = [("plain", base)]
-                    for name, make in drafters:
-                        rows.append((name, bench_serving(m, stream, B, a.new_tokens, a.repeat, drafter=make(serve=True),
-                                                         k=a.k, **kw)))
-                    for name, r in rows:
-                        sp = r["tokens_per_s"] / base["tokens_per_s"]
-                        res["serving"].append({"engine": eng, "batch": B, "harvest": harvest, "drafter": name, "speedup": sp,
-                                               "speedup_over_tau": sp / r["tau"], "plain_tokens_per_s": base["tokens_per_s"],
-                                               "lossless": r["outputs"] == base["outputs"],
-                                               **{k: v for k, v in r.items() if k != "outputs"}})
-                    print(f"{eng} engine, serving at {B} slots ({harvest} harvest) done ({time.perf_counter() - t0:.0f} s)",
-                          flush=True)
-                    save()
+            bench_serve(a, engines, stream, graphs, res, save)
         res["recompile_limit_hits"] = limit_hits.detach()
-        print()
-        print(markdown(res))
-        if any(ENGINES[e] is not None for e in engine_names):
-            print(f"\ntorch.compile recompile limit hit {len(limit_hits.hits)} time(s)"
-                  + (f" ({'; '.join(limit_hits.hits)}): those shapes ran eagerly" if limit_hits.hits else ""))
-        lossy = [(r["engine"], r["batch"], r["drafter"]) for r in res["rows"] + res.get("serving", [])
-                 if r.get("lossless") is False]
-        # static rows: against the first engine's plain batch; serving rows: against plain serving through the same
-        # slots and harvest (whose batches differ from the drafted run's: bf16 kernels that are not batch-invariant
-        # can flip near-ties there; benchmarks/serving_divergence.py scores each such flip in fp32)
-        print(f"\ngreedy outputs identical to plain decoding: {'all rows' if not lossy else f'NOT for {lossy}'}"
-              + (" (bf16: see benchmarks/serving_divergence.py for the margins)" if lossy and dtype == "bfloat16" else ""))
-
+        print_report(a, res, limit_hits, dtype)
     if a.profile or a.profile_only or a.profile_all:
-        m, drafters = engines[engine_names[-1]]              # the last engine: the one under study
-        chosen = [("plain", None)]
-        # the last requested drafter (hybrid > head > ngram), or every one with --profile-all
-        for name, make in (drafters if a.profile_all else drafters[::-1][:1]):
-            chosen.append((name, make()))
-        pb = a.profile_batch or batches[0]
-        prof = profile_steps(m, prompts[:pb], chosen, a.k, graphs, dev, skip=a.profile_skip, trace=a.trace)
-        res["profile_skip"], res["profile_batch"] = a.profile_skip, pb
-        res["profile"] = {n: {k: v for k, v in r.items() if k != "table"} for n, r in prof.items()}
-        for name, r in prof.items():
-            times = ", ".join(f"{k.replace('_ms_per_step', '')} {v:.2f} ms/step" for k, v in r.items()
-                              if k.endswith("_ms_per_step"))
-            if "kernels_per_step" in r:
-                times += f"; {r['kernels_per_step']} kernels, {r['kernel_us_per_step']:.0f} µs of them"
-            print(f"\n### Profile: one {name} decode step, batch {pb} ({times})\n")
-            print(r["table"])
-            if "graph_span_us_per_step" in r:
-                print(f"\nGraphed: {r['graph_kernels_per_step']:.0f} device ops a step, busy "
-                      f"{r['graph_busy_us_per_step']:.0f} µs of a {r['graph_span_us_per_step']:.0f} µs span; "
-                      "the longest gaps (µs a step):\n")
-                for g in r["graph_gaps"]:
-                    print(f"- {g['us_per_step']:.1f} ({g['count']} gaps): {g['between']}")
-
+        run_profile(a, engines, prompts, graphs, dev, res)
     save()
     plot_path = a.plot or (str(Path(a.out).with_suffix(".png")) if a.out else None)
     if plot_path and res["rows"]:

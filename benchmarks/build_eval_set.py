@@ -1,6 +1,6 @@
-"""Build the mixed evaluation prompt set, specheads/assets/eval_mixed.jsonl (issue #13).
+"""Build the mixed evaluation prompt set, specheads/assets/eval_mixed.jsonl.
 
-    .venv/bin/python benchmarks/build_eval_set.py --data ../shared/data --out specheads/assets/eval_mixed.jsonl
+    .venv/bin/python benchmarks/build_eval_set.py --data DATA --out specheads/assets/eval_mixed.jsonl
 
 Seven categories (chat, qa, math, code, summarization, extraction, translation), each prompt
 with the `category` the eval stage reports τ by. The copy-heavy ones wrap one or more
@@ -14,7 +14,8 @@ occurs in a training row (the files repeat themselves, sharegpt_dummy above all)
 skipped as well. Each output row names its source rows ("file:id", `;`-separated).
 
 Deterministic: the same data gives the same file, byte for byte (tests/test_eval_set.py).
-The program never reads ../shared/data at run time; the built file is the asset.
+DATA is the folder of the public prompt files the GPU recipe reads (default ./data; see BENCHMARKS.md).
+The program never reads DATA at run time; the built file is the asset.
 """
 from __future__ import annotations
 
@@ -415,7 +416,7 @@ def report(prompts: list[EvalPrompt], tokenizer_source: str | None) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", type=Path, default=Path("../shared/data"))
+    ap.add_argument("--data", type=Path, default=Path("data"), help="the folder of the public prompt files")
     ap.add_argument("--out", type=Path, default=Path("specheads/assets/eval_mixed.jsonl"))
     ap.add_argument("--tokenizer", default="smollm2-135m", help="to report prompt lengths in tokens; 'none': characters")
     args = ap.parse_args(argv)

@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specheads.export.convert import load_any  # noqa: E402
-from specheads.export.trained import load_trained_head  # noqa: E402
+from specheads.formats.convert import load_any  # noqa: E402
+from specheads.formats.trained import load_trained_head  # noqa: E402
 from specheads.heads import ttt_forward  # noqa: E402
 
 

@@ -1,18 +1,19 @@
-"""One machine-readable summary of a reference run: ``benchmarks/results/reference.json``.
+"""One machine-readable summary of a reference run: ``benchmarks/results/smollm2_reference/reference.json``.
 
 Reads what the stages wrote (nothing is re-measured here): the synthesis and regeneration
 summaries, the token rows' summary, the sweep, the eval reports and the runtime and training
-benchmarks, and the timeline of ``h200_reference.sh``. Per eval set: τ and α_i of every drafter
-(head, n-gram, hybrid), τ per category, tokens/s and speedup, and whether the issue's goals
+benchmarks, and the timeline of ``gpu_reference.sh``. Per eval set: τ and α_i of every drafter
+(head, n-gram, hybrid), τ per category, tokens/s and speedup, and whether the goals below
 are met; the data curve (held-out τ against training tokens, one point per sweep run).
+Paths in the summary are relative to the run directory (``run_paths.relative``), not the machine's.
 
-    python benchmarks/reference_summary.py --run runs/smollm2_eagle3_h200 --out OUT/reference.json \\
-        --eval vicuna=runs/.../eval_vicuna --eval gsm8k_holdout=... --eval mixed=... \\
+    python benchmarks/reference_summary.py --run OUT/run --out OUT/reference.json \\
+        --eval vicuna=OUT/run/eval_vicuna --eval gsm8k_holdout=... --eval mixed=... \\
         [--sweep DIR ...] [--bench-runtime F] [--bench-train F] [--timeline F] [--plot PNG]
     python benchmarks/reference_summary.py --from-summary OUT/reference.json --sweep LATER_SWEEP \\
-        [--carry-over EARLIER/reference.json ...] [--plot PNG] --out benchmarks/results/reference.json
+        [--carry-over EARLIER/reference.json ...] [--plot PNG] --out benchmarks/results/smollm2_reference/reference.json
 
-A sitting seldom runs everything. ``--from-summary F`` starts from a summary written on the machine
+A time-limited run seldom runs everything. ``--from-summary F`` starts from a summary written on the machine
 that ran it (its date, machine and figures stay; ``amended`` says when and where it was added to)
 and adds what the other options name, e.g. the runs of a later ``--sweep`` (the first ``--sweep``
 names the evaluated head, later ones only add runs). ``--carry-over F`` (repeatable) fills what
@@ -33,7 +34,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from run_paths import relative  # noqa: E402
 from specheads.fileio import write_json_atomic  # noqa: E402
 
 GOALS = {"vicuna": 2.5, "gsm8k_holdout": 2.8}  # τ, greedy, chain k = 3, 128 new tokens
@@ -134,7 +137,7 @@ THIS_RUN = "this run"  # a curve point's "summary" when the summary holding it t
 
 def curve_points(summary: dict, source: str) -> list[dict]:
     """Held-out τ against training tokens, one point per sweep run, labelled with the rows its share was drawn
-    from (points of sittings on different data sets stay apart) and with the summary that trained it: ``source``
+    from (points of runs on different data sets stay apart) and with the summary that trained it: ``source``
     for this summary's own runs; points it carried over from other summaries keep their labels."""
     rows = (summary.get("data") or {}).get("rows") or {}
     own = [{"data_rows": rows.get("rows"), "data_tokens": rows.get("tokens"), "fraction": r.get("fraction"),
@@ -295,6 +298,7 @@ def main(argv=None) -> dict:
             summary[key] = loaded
     if a.plot and summary["curve"]:
         plot_curve(summary["curve"], a.plot)
+    summary = relative(summary, a.run)
     write_json_atomic(a.out, summary)
     for name, es in summary["eval_sets"].items():
         for kind, d in (es.get("drafters") or {}).items():

@@ -13,7 +13,7 @@ ones and resumes an interrupted one from its last checkpoint (``train.resume=tru
 Writes ``OUT/sweep.json`` (runs, best lr, the full-data run's directory), ``OUT/sweep.md`` and
 ``OUT/tau_vs_tokens.png`` (held-out τ against training tokens).
 
-    python benchmarks/sweep_reference.py recipes/smollm2_eagle3_h200.yaml --out runs/x/sweep \\
+    python benchmarks/sweep_reference.py recipes/smollm2_eagle3_gpu.yaml --out runs/x/sweep \\
         --fractions 0.1,0.3,1 --lrs 3e-4,1e-3,3e-3 [overrides ...]
 
 A second call with more ``--fractions`` (the same rates and overrides; with several rates, the same smallest

@@ -1,6 +1,6 @@
 """specheads command line: parse, load a recipe, call one stage.
 
-Every stage is ``run_<stage>(recipe)``. A stage command takes a recipe file
+Every stage is ``run_<stage>(recipe)``, imported from its package (``STAGE_ENTRIES``). A stage command takes a recipe file
 and dotted ``key=value`` overrides; the flags of ``export`` and ``eval`` are
 turned into overrides of the same recipe keys, so a flag and the recipe can
 never disagree. ``--dry-run`` prints the resolved recipe and what would run
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from specheads.config import Recipe, RecipeError, load_recipe
 from specheads.errors import SpecheadsError, UsageError
+from specheads.rundir import RunDir
 
 STAGES = {
     "data synthesize": "user prompts written by the target itself (steered categories, copy-heavy tasks, de-duplicated)",
@@ -110,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rule", action="append", choices=["greedy", "rejection", "onehot", "tree_target_only"],
                    help="verification rule (repeat to compare rules; = eval.rule)")
     p.add_argument("--compare", action="append", choices=["ngram", "hybrid", "hybrid_fixed"],
-                   help="drafters to put beside the heads: ngram, hybrid (each head + n-gram) (= eval.compare)")
+                   help="drafters to put beside the heads: ngram, hybrid (each head + n-gram where its match is "
+                   "long, scored per row), hybrid_fixed (the same without the per-row score) (= eval.compare)")
     p.add_argument("--engine", choices=["specheads", "vllm"],
                    help="vllm: also run the same prompts in vLLM and put both side by side (= eval.engine)")
     p.add_argument("--thresholds", help="tree_target_only: also run relaxed thresholds single,acc (e.g. 0.05,0.5); "
@@ -186,19 +188,19 @@ def _print_plan(recipe: Recipe | None, stage: str, what: list[str]) -> None:
 
 
 def _plan(recipe: Recipe, stage: str) -> list[str]:
-    t = recipe.target
+    t, paths = recipe.target, RunDir(recipe)
     target = f"load target {t.source} ({t.dtype}, device {t.device}{', adapter ' + t.adapter if t.adapter else ''})"
     srcs = ", ".join(s.path for s in recipe.data.sources)
     if stage == "data prepare":
-        src = str(recipe.regenerated_path) if recipe.data.regenerate.enabled else srcs
+        src = str(paths.regenerated) if recipe.data.regenerate.enabled else srcs
         return [f"load tokenizer of {t.source}", f"read {src}",
                 f"tokenize with the chat template, max_length {recipe.data.max_length}",
-                f"write token rows to {recipe.rows_dir}"]
+                f"write token rows to {paths.rows}"]
     if stage == "data regenerate":
         g = recipe.data.regenerate
         return [target, f"read prompts from {srcs} (holdout {recipe.data.holdout_fraction:.0%} kept out)",
                 f"generate ≤{g.max_new_tokens} tokens each, temperature {g.temperature}, batch {g.batch_size}",
-                f"append conversations to {recipe.regenerated_path} (resumable)"]
+                f"append conversations to {paths.regenerated} (resumable)"]
     if stage == "data synthesize":
         s, c = recipe.data.synthesize, recipe.data.synthesize.copy_tasks
         docs = f"documents from {c.documents}" if c.documents else f"documents the target writes (≤{c.document_tokens} tokens)"
@@ -206,34 +208,34 @@ def _plan(recipe: Recipe, stage: str) -> list[str]:
                 f"temperature {s.temperature}, batch {s.batch_size}) steered by {s.seeds}",
                 f"{c.fraction:.0%} copy-heavy ({', '.join(c.tasks)}) wrapping {docs}, ≤{c.max_prompt_tokens} tokens",
                 f"drop degenerate, exact and near-duplicate prompts (threshold {s.dedup_threshold})",
-                f"append prompts to {recipe.synthesized_path} (resumable); summary and category plot beside it"]
+                f"append prompts to {paths.synthesized} (resumable); summary and category plot beside it"]
     if stage == "vocab":
-        return [f"read token rows from {recipe.rows_dir}",
-                f"select {recipe.vocab.draft_vocab_size} draft tokens, write d2t/t2d to {recipe.vocab_dir}"]
+        return [f"read token rows from {paths.rows}",
+                f"select {recipe.vocab.draft_vocab_size} draft tokens, write d2t/t2d to {paths.vocab}"]
     if stage == "dump":
-        return [target, f"read token rows from {recipe.rows_dir}",
+        return [target, f"read token rows from {paths.rows}",
                 f"capture aux layers {recipe.head.aux_layer_ids or 'default [2, L//2, L-3]'} + final state",
-                f"write {recipe.dump.dtype} shards to {recipe.dump_dir}"]
+                f"write {recipe.dump.dtype} shards to {paths.dump}"]
     if stage == "train":
         tr = recipe.train
-        feed = f"dump {recipe.dump_dir}" if recipe.dump.mode == "offline" else "online feed (target in process)"
+        feed = f"dump {paths.dump}" if recipe.dump.mode == "offline" else "online feed (target in process)"
         return [target if recipe.dump.mode == "online" else f"load target {t.source} (embedding, lm_head, identity)",
                 f"feed: {feed}", f"train {recipe.head.kind} head: TTT {tr.ttt_steps}, lr {tr.lr}, ZeRO-{tr.zero_stage}, "
                 f"{tr.precision}, micro-batch {tr.micro_batch_size} × accum {tr.grad_accum}",
-                f"checkpoints and metrics under {recipe.train_dir}"]
+                f"checkpoints and metrics under {paths.train}"]
     if stage == "export":
         x = recipe.export
-        return [f"load the trained head from {recipe.train_dir} (final/ or the latest checkpoint)",
-                f"write {x.format} ({x.dtype}, k={x.k}) to {recipe.export_dir}",
+        return [f"load the trained head from {paths.train} (final/ or the latest checkpoint)",
+                f"write {x.format} ({x.dtype}, k={x.k}) to {paths.export}",
                 "validate it as vLLM and SGLang would read it; compare reloaded outputs with the trained head",
-                f"write README.md (with {recipe.eval_dir}/report.json when it exists)"]
+                f"write README.md (with {paths.eval}/report.json when it exists)"]
     if stage == "eval":
         e = recipe.eval
-        head = e.head if e.head is not None else str(recipe.export_dir)
+        head = e.head if e.head is not None else str(paths.export)
         return [target, f"prompts {e.prompts} (split {e.split}, limit {e.limit})",
                 f"generate ≤{e.max_new_tokens} tokens with and without drafting: head {head}, "
                 f"k={e.k}, rule {e.rule}, temperature {e.temperature}, compare {e.compare}, engine {e.engine}",
-                f"write report.json, report.md and plots to {recipe.eval_dir}"]
+                f"write report.json, report.md and plots to {paths.eval}"]
     return []
 
 
@@ -258,6 +260,31 @@ def train_summary(s: dict) -> str:
 
 # --- dispatch -------------------------------------------------------------------------------
 
+# every recipe-driven stage: command -> (its package, its entry ``run_<stage>(recipe)``)
+STAGE_ENTRIES = {
+    "data prepare": ("data", "run_prepare"), "data regenerate": ("data", "run_regenerate"),
+    "data synthesize": ("data", "run_synthesize"), "vocab": ("data", "run_vocab"), "dump": ("dump", "run_dump"),
+    "train": ("train", "run_train"), "export": ("export", "run_export"), "eval": ("evaluate", "run_eval"),
+}
+
+
+def stage_entry(stage: str):
+    """``run_<stage>`` of a stage command, its package imported only now (``--help`` and ``--dry-run`` load
+    no stage)."""
+    package, name = STAGE_ENTRIES[stage]
+    if package == "data":
+        import specheads.data as pkg
+    elif package == "dump":
+        import specheads.dump as pkg
+    elif package == "train":
+        import specheads.train as pkg
+    elif package == "export":
+        import specheads.export as pkg
+    else:
+        import specheads.evaluate as pkg
+    return getattr(pkg, name)
+
+
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -279,48 +306,23 @@ def _stage_recipe(args, stage: str):
 
 def _dispatch(args) -> int:
     cmd = args.command
-    if cmd == "data":
-        recipe = _stage_recipe(args, f"data {args.data_command}")
+    if cmd == "dump" and args.inspect:
+        from specheads.dump.inspect import format_report, inspect_store
+
+        report = inspect_store(args.inspect)
+        print(format_report(report))
+        return 0 if report.get("ok", False) else 1
+    if cmd == "dump" and not args.recipe:
+        raise RecipeError("dump needs a recipe (or --inspect DIR)")
+
+    if cmd in ("data", "vocab", "dump", "train"):
+        stage = f"data {args.data_command}" if cmd == "data" else cmd
+        recipe = _stage_recipe(args, stage)
         if recipe is None:
             return 0
-        from specheads.data import stage as data_stage
-
-        {"prepare": data_stage.run_prepare, "regenerate": data_stage.run_regenerate,
-         "synthesize": data_stage.run_synthesize}[args.data_command](recipe)
-        return 0
-
-    if cmd == "vocab":
-        recipe = _stage_recipe(args, "vocab")
-        if recipe is not None:
-            from specheads.data.stage import run_vocab
-
-            run_vocab(recipe)
-        return 0
-
-    if cmd == "dump":
-        if args.inspect:
-            from specheads.dump.inspect import format_report, inspect_store
-
-            report = inspect_store(args.inspect)
-            print(format_report(report))
-            return 0 if report.get("ok", False) else 1
-        if not args.recipe:
-            raise RecipeError("dump needs a recipe (or --inspect DIR)")
-        recipe = _stage_recipe(args, "dump")
-        if recipe is not None:
-            from specheads.dump.writer import run_dump
-
-            run_dump(recipe)
-        return 0
-
-    if cmd == "train":
-        recipe = _stage_recipe(args, "train")
-        if recipe is not None:
-            from specheads.train.loop import run_train
-
-            summary = run_train(recipe)
-            if int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
-                print(train_summary(summary))  # every number of the run is in metrics.jsonl
+        result = stage_entry(stage)(recipe)
+        if stage == "train" and int(os.environ.get("RANK", "0")) == 0:  # one summary, not one per process
+            print(train_summary(result))  # every number of the run is in metrics.jsonl
         return 0
 
     if cmd == "export":
@@ -329,11 +331,15 @@ def _dispatch(args) -> int:
     if cmd == "eval":
         recipe = eval_recipe(args)
         if args.dry_run:
+            from specheads.evaluate.inputs import input_problems
+
+            # heads may come from the export stage later in the same plan; the target and prompts are inputs
+            problems = input_problems(recipe, [], heads_may_be_missing=True)
+            if problems:
+                raise UsageError("eval cannot start:\n  " + "\n  ".join(problems))
             _print_plan(recipe, "eval", _plan(recipe, "eval"))
             return 0
-        from specheads.evaluate.stage import run_eval
-
-        run_eval(recipe)
+        stage_entry("eval")(recipe)
         return 0
     raise AssertionError(cmd)
 
@@ -381,9 +387,7 @@ def _export(args) -> int:
             plan[0] = f"load the trained head from {source_dir} (final/ or the latest checkpoint)"
         _print_plan(recipe, "export", plan)
         return 0
-    from specheads.export.stage import run_export
-
-    run_export(recipe, source_dir)
+    stage_entry("export")(recipe, source_dir)
     return 0
 
 

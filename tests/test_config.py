@@ -1,7 +1,10 @@
+from pathlib import Path
+
 import pytest
 
 from specheads.config import RecipeError, load_recipe
 from specheads.layer_ids import check_layer_ids, default_eagle3_layer_ids, hf_to_output_index, output_to_hf_index
+from specheads.rundir import RunDir, recipe_hash
 
 RECIPES = ["recipes/smollm2_eagle3.yaml", "recipes/llama8b_eagle3.yaml", "recipes/qwen3_8b_eagle3.yaml"]
 
@@ -52,8 +55,20 @@ def test_recipe_hash_tracks_sections():
     a = load_recipe("recipes/smollm2_eagle3.yaml")
     b = load_recipe("recipes/smollm2_eagle3.yaml", ["eval.limit=3"])
     c = load_recipe("recipes/smollm2_eagle3.yaml", ["head.num_layers=2"])
-    assert a.hash("head", "train") == b.hash("head", "train")
-    assert a.hash("head") != c.hash("head")
+    assert recipe_hash(a, "head", "train") == recipe_hash(b, "head", "train")
+    assert recipe_hash(a, "head") != recipe_hash(c, "head")
+    assert recipe_hash(a) != recipe_hash(b)
+
+
+def test_run_dir_paths():
+    r = load_recipe(None, ["run_dir=runs/x", "export.format=eagle"])
+    d = RunDir(r)
+    assert (d.rows, d.vocab, d.dump, d.train, d.export, d.eval) == (
+        Path("runs/x/data/rows"), Path("runs/x/vocab"), Path("runs/x/dump"), Path("runs/x/train"),
+        Path("runs/x/export/eagle"), Path("runs/x/eval"))
+    assert (d.regenerated, d.synthesized) == (Path("runs/x/data/regenerated.jsonl"), Path("runs/x/data/synthesized.jsonl"))
+    r.data.rows_dir, r.train.out, r.eval.out = "/r", "/t", "/e"  # a recipe key wins, read on each access
+    assert (d.rows, d.train, d.eval, d.path("a", "b")) == (Path("/r"), Path("/t"), Path("/e"), Path("runs/x/a/b"))
 
 
 def test_override_list_items():

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from specheads.config import Recipe
+from specheads.rundir import RunDir, stage_inputs
 from specheads.dump import (
     DumpCorruptError,
     DumpDataset,
@@ -95,7 +96,7 @@ def reference(tiny, rows, tmp_path_factory):
     root = tmp_path_factory.mktemp("ref")
     recipe = make_recipe(root)
     run_dump(recipe, target=tiny, rows=rows, progress=False)
-    return recipe.dump_dir
+    return RunDir(recipe).dump
 
 
 def hf_states(target, ids, layer_ids):
@@ -116,7 +117,7 @@ def test_store_equals_output_hidden_states(tiny, rows, tmp_path, layer_ids):
     assert m["counts"]["tokens"] == sum(len(r["input_ids"]) for r in rows)
     assert m["counts"]["masked_tokens"] == sum(sum(r["loss_mask"]) for r in rows)
     assert m["target"]["config_hash"] == tiny.config_hash and m["format_version"] == 1
-    ds = DumpDataset(recipe.dump_dir, expected_target=tiny.identity(), expected_layer_ids=ids)
+    ds = DumpDataset(RunDir(recipe).dump, expected_target=tiny.identity(), expected_layer_ids=ids)
     assert len(ds) == len(rows)
     for i in range(len(rows)):
         got = ds[i]
@@ -132,9 +133,9 @@ def test_bf16_store_and_safetensors_interop(tiny, rows, tmp_path):
 
     recipe = make_recipe(tmp_path, dtype="bfloat16")
     m = run_dump(recipe, target=tiny, rows=rows, progress=False)
-    ds = DumpDataset(recipe.dump_dir, expected_config_hash=tiny.config_hash)
+    ds = DumpDataset(RunDir(recipe).dump, expected_config_hash=tiny.config_hash)
     rec = m["shards"][1]
-    with safe_open(str(recipe.dump_dir / rec["file"]), framework="pt") as f:
+    with safe_open(str(RunDir(recipe).dump / rec["file"]), framework="pt") as f:
         assert f.get_tensor("aux").dtype == torch.bfloat16
         off = f.get_tensor("row_offsets")
         assert f.get_tensor("input_ids").dtype == torch.int32 and f.get_tensor("loss_mask").dtype == torch.uint8
@@ -154,7 +155,7 @@ def test_batching_does_not_change_shard_layout(tiny, rows, tmp_path, reference):
     m = run_dump(other, target=tiny, rows=rows, progress=False)
     ref = read_manifest(reference)
     assert [(s["row_start"], s["row_end"]) for s in m["shards"]] == [(s["row_start"], s["row_end"]) for s in ref["shards"]]
-    a, b = DumpDataset(other.dump_dir, expected_config_hash=tiny.config_hash), DumpDataset(reference)
+    a, b = DumpDataset(RunDir(other).dump, expected_config_hash=tiny.config_hash), DumpDataset(reference)
     for i in range(len(rows)):
         torch.testing.assert_close(a[i]["aux"], b[i]["aux"], atol=1e-5, rtol=1e-5)
 
@@ -180,21 +181,21 @@ def test_crash_then_resume_is_byte_identical(tiny, rows, tmp_path, reference, mo
     monkeypatch.setattr(writer_mod, "_after_shard", crash)
     with pytest.raises(KeyboardInterrupt):
         run_dump(recipe, target=tiny, rows=rows, progress=False)
-    part = read_manifest(recipe.dump_dir)
+    part = read_manifest(RunDir(recipe).dump)
     assert part["complete"] is False
     with pytest.raises(DumpError, match="incomplete"):
-        DumpDataset(recipe.dump_dir)
-    finished = sorted(p.name for p in recipe.dump_dir.glob("shard-*.safetensors"))
+        DumpDataset(RunDir(recipe).dump)
+    finished = sorted(p.name for p in RunDir(recipe).dump.glob("shard-*.safetensors"))
     assert len(finished) >= 2
-    mtimes = {n: (recipe.dump_dir / n).stat().st_mtime_ns for n in finished}
+    mtimes = {n: (RunDir(recipe).dump / n).stat().st_mtime_ns for n in finished}
 
     monkeypatch.setattr(writer_mod, "_after_shard", None)
     run_dump(recipe, target=tiny, rows=rows, progress=False)
-    assert tree_bytes(recipe.dump_dir) == tree_bytes(reference)
-    assert {n: (recipe.dump_dir / n).stat().st_mtime_ns for n in finished} == mtimes  # skipped, not rewritten
+    assert tree_bytes(RunDir(recipe).dump) == tree_bytes(reference)
+    assert {n: (RunDir(recipe).dump / n).stat().st_mtime_ns for n in finished} == mtimes  # skipped, not rewritten
     # a rerun of a finished dump changes nothing
     run_dump(recipe, target=tiny, rows=rows, progress=False)
-    assert tree_bytes(recipe.dump_dir) == tree_bytes(reference)
+    assert tree_bytes(RunDir(recipe).dump) == tree_bytes(reference)
 
 
 KILL_WORKER = """
@@ -245,7 +246,7 @@ def test_disk_full_keeps_store_consistent(tiny, rows, tmp_path, reference, monke
     with pytest.raises(DumpError, match=r"disk full while writing shard-00002\.safetensors") as ei:
         run_dump(recipe, target=tiny, rows=rows, progress=False, writer_threads=1)
     assert "rerun" in str(ei.value)
-    d = recipe.dump_dir
+    d = RunDir(recipe).dump
     assert not list(d.rglob("*.tmp"))
     assert not (d / "shard-00002.safetensors").exists()
     m = read_manifest(d)
@@ -321,18 +322,18 @@ def test_fp8_store_bound_and_size(tiny, rows, tmp_path, reference):
     m = run_dump(recipe, target=tiny, rows=rows, progress=False)
     assert m["fp8"]["format"] == "float8_e4m3fn"
     ref = DumpDataset(reference)
-    ds = DumpDataset(recipe.dump_dir, dtype=torch.float32)
+    ds = DumpDataset(RunDir(recipe).dump, dtype=torch.float32)
     n_aux = 3
     for i in range(len(rows)):
         x, y = ref[i], ds[i]
         assert torch.all((y["aux"] - x["aux"]).abs() <= fp8_error_bound(x["aux"], n_aux) * 1.001 + 1e-7)
         assert torch.all((y["final"] - x["final"]).abs() <= fp8_error_bound(x["final"], 1) * 1.001 + 1e-7)
-    assert ds[0]["aux"].dtype == torch.float32 and DumpDataset(recipe.dump_dir)[0]["aux"].dtype == torch.bfloat16
+    assert ds[0]["aux"].dtype == torch.float32 and DumpDataset(RunDir(recipe).dump)[0]["aux"].dtype == torch.bfloat16
     bf = make_recipe(tmp_path, dtype="bfloat16", name="bf16")
     mb = run_dump(bf, target=tiny, rows=rows, progress=False)
     tokens = m["counts"]["tokens"]
-    aux_fp8 = sum((recipe.dump_dir / s["file"]).stat().st_size for s in m["shards"])
-    aux_bf16 = sum((bf.dump_dir / s["file"]).stat().st_size for s in mb["shards"])
+    aux_fp8 = sum((RunDir(recipe).dump / s["file"]).stat().st_size for s in m["shards"])
+    aux_bf16 = sum((RunDir(bf).dump / s["file"]).stat().st_size for s in mb["shards"])
     # fp8: 1 byte/value + 16 B of scales per token vs 2 bytes/value (H=32 here, so scales weigh more)
     assert aux_fp8 < 0.7 * aux_bf16, (aux_fp8 / tokens, aux_bf16 / tokens)
 
@@ -454,18 +455,17 @@ def test_online_feed_refuses_a_target_the_rows_were_not_prepared_for(tiny, rows,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specheads.data.prepare import rows_features
-    from specheads.dump.store import DumpMismatchError
 
     recipe = make_recipe(tmp_path)
     recipe.dump.mode = "online"
     n = len(rows)
     datasets.Dataset.from_dict({"input_ids": [r["input_ids"] for r in rows], "loss_mask": [r["loss_mask"] for r in rows],
                                 "conv_id": [str(i) for i in range(n)], "source": ["t"] * n, "category": [None] * n},
-                               features=rows_features()).save_to_disk(recipe.rows_dir)
+                               features=rows_features()).save_to_disk(RunDir(recipe).rows)
     # what `data prepare` records: the recipe's target.source as the name, the adapter, the shapes
     ident = {**{k: v for k, v in tiny.identity().items() if k != "config_hash"}, "name": "tiny"}
-    summary = {"rows": n, "target": ident, "recipe_inputs": recipe.stage_inputs("prepare")}
-    (Path(recipe.rows_dir) / "summary.json").write_text(json.dumps(summary))
+    summary = {"rows": n, "target": ident, "recipe_inputs": stage_inputs(recipe, "prepare")}
+    (Path(RunDir(recipe).rows) / "summary.json").write_text(json.dumps(summary))
     batch = next(iter(make_feed(recipe, target=tiny)))  # the rows' own target computes states
     assert batch["final"].shape[-1] == tiny.hidden_size
     # a GGUF file's display name differs from the source it was loaded from: the source is what counts
@@ -479,7 +479,7 @@ def test_online_feed_refuses_a_target_the_rows_were_not_prepared_for(tiny, rows,
                                                 r"hidden_size=48"):
         make_feed(recipe, target=other)
     renamed = Target(model=tiny.model, tokenizer=None, name="tiny-ft", source="tiny-ft")
-    with pytest.raises(DumpMismatchError, match=rf"{recipe.rows_dir} were prepared for target name='tiny', but the "
+    with pytest.raises(DumpMismatchError, match=rf"{RunDir(recipe).rows} were prepared for target name='tiny', but the "
                                                 r"target given has name='tiny-ft'.*data prepare"):
         make_feed(recipe, target=renamed)
     adapted = Target(model=tiny.model, tokenizer=None, name="tiny", source="tiny", adapter="loras/support")
@@ -507,7 +507,7 @@ def test_cuda_dump_matches_cpu(rows, tmp_path, reference, dtype):
     recipe = make_recipe(tmp_path, dtype=dtype)
     m = run_dump(recipe, target=gpu, rows=rows, progress=False, writer_threads=2)
     assert m["target"]["config_hash"] == read_manifest(reference)["target"]["config_hash"]
-    ref, ds = DumpDataset(reference), DumpDataset(recipe.dump_dir, dtype=torch.float32)
+    ref, ds = DumpDataset(reference), DumpDataset(RunDir(recipe).dump, dtype=torch.float32)
     for i in range(len(rows)):
         for k in ("aux", "final"):
             x = ref[i][k]
@@ -562,7 +562,7 @@ def test_compute_dtype_runs_the_states_forward_in_bf16(tiny, rows, tmp_path, ref
     assert m["compute_dtype"] == "bfloat16" and m["target_dtype"] == "float32"
     assert read_manifest(reference)["compute_dtype"] == "float32"
     ref = DumpDataset(reference, expected_target=tiny.identity())
-    got = DumpDataset(recipe.dump_dir, expected_target=tiny.identity())
+    got = DumpDataset(RunDir(recipe).dump, expected_target=tiny.identity())
     assert got.stored == "float32"  # the forward's outputs stay in the weights' dtype: the store rounds them
     differ = 0
     for i in range(len(rows)):
@@ -596,7 +596,7 @@ def test_smollm2_store_equals_output_hidden_states(smollm2, tmp_path):
     m = run_dump(recipe, target=smollm2, rows=rows, progress=False)
     assert m["aux_layer_ids"] == [2, 15, 27] and m["target"]["num_layers"] == 30
     assert m["target"]["hidden_size"] == 576 and m["counts"]["shards"] >= 2
-    ds = DumpDataset(recipe.dump_dir, expected_target=smollm2.identity(), expected_layer_ids=[2, 15, 27])
+    ds = DumpDataset(RunDir(recipe).dump, expected_target=smollm2.identity(), expected_layer_ids=[2, 15, 27])
     for i, r in enumerate(rows):
         with torch.no_grad():
             hs = smollm2.model(torch.tensor([r["input_ids"]]), output_hidden_states=True).hidden_states

@@ -8,7 +8,8 @@ from specheads.cli import build_parser, eval_recipe, main
 from specheads.config import RecipeError
 from specheads.evaluate.lossless import chi_square_two_sample
 from specheads.evaluate.stage import EvalError, plan_runs, run_eval
-from specheads.export import ExportError
+from specheads.formats import ExportError
+from specheads.rundir import RunDir
 
 
 def _recipe(tmp_path, *flags):
@@ -81,15 +82,15 @@ def test_eval_flags_become_recipe_keys(tmp_path):
                 "--compare", "ngram", "--max-new-tokens", "9")
     e = r.eval
     assert (e.head, e.k, e.rule, e.limit, e.compare, e.max_new_tokens) == (["a", "b"], [2, 5], ["greedy"], 7, ["ngram"], 9)
-    assert r.target.source == "smollm2-135m" and r.eval_dir == tmp_path and e.split == "all"
+    assert r.target.source == "smollm2-135m" and RunDir(r).eval == tmp_path and e.split == "all"
 
 
 def _export_random_head(d, hidden: int, target_hidden: int):
     """An EAGLE-3 head with random weights in the speculators layout (SmolLM2's vocabulary)."""
     import torch
 
-    from specheads.export import speculators
-    from specheads.export.common import ExportMeta
+    from specheads.formats import speculators
+    from specheads.formats.common import ExportMeta
     from specheads.heads.config import HeadConfig
     from specheads.heads.eagle3 import Eagle3Head
 
@@ -127,3 +128,24 @@ def test_eval_hybrid_runs_beside_the_head(tiny_target_dir, tmp_path):
     hybrid, fixed = rep["runs"][2], rep["runs"][3]
     assert hybrid["drafter"].startswith("hybrid: ") and hybrid["lossless"]["identical"] == hybrid["lossless"]["total"] == 2
     assert fixed["drafter"].startswith("hybrid (fixed rule): ") and fixed["lossless"]["identical"] == 2
+
+
+def test_eval_names_every_missing_input_at_once(tmp_path):
+    with pytest.raises(EvalError) as err:
+        plan_runs(_recipe(tmp_path, "--head", str(tmp_path / "h1"), "--head", str(tmp_path / "h2"),
+                          "--prompts", str(tmp_path / "prompts.jsonl")))
+    msg = str(err.value)
+    for missing in ("h1", "h2", "prompts.jsonl"):
+        assert f"{tmp_path / missing}" in msg, msg
+
+
+def test_eval_dry_run_refuses_a_run_directory_as_target(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "train" / "final").mkdir(parents=True)
+    assert main(["eval", "--target", str(run_dir), "--prompts", "builtin:demo_prompts", "--out", str(tmp_path / "ev"),
+                 "--compare", "ngram", "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert f"{run_dir} is not a model directory (no config.json)" in err and "run directory" in err
+    # a target that exists passes the same dry run, with a head that the plan's export stage would write later
+    assert main(["eval", "--target", "smollm2-135m", "--prompts", "builtin:demo_prompts", "--out", str(tmp_path / "ev"),
+                 "--head", str(tmp_path / "later"), "--dry-run"]) == 0

@@ -1,4 +1,4 @@
-"""Tests for specheads.export (tiny random heads, CPU)."""
+"""Tests for specheads.formats and the export validation (tiny random heads, CPU)."""
 import copy
 import json
 from pathlib import Path
@@ -8,9 +8,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specheads.export import ExportError, ExportMeta, convert, detect_format, load_any
-from specheads.export import card, eagle, mtp, sglang, speculators, validate
-from specheads.export.common import load_tensors
+from specheads.formats import ExportError, ExportMeta, convert, detect_format, load_any
+from specheads.formats import card, eagle, mtp, sglang, speculators
+from specheads.export import validate
+from specheads.formats.common import load_tensors
 from specheads.heads import Eagle1Head, Eagle3Head, HeadConfig, MTPHead
 
 torch.set_num_threads(1)

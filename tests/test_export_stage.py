@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specheads.cli import main
-from specheads.export import ExportError, load_any
+from specheads.formats import ExportError, load_any
 from specheads.export import stage
 from interop import tiny
 

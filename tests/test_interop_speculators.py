@@ -79,7 +79,7 @@ def _export(run_dir: Path, out: Path, dtype: str) -> Path:
 @pytest.fixture(scope="module")
 def interop(tmp_path_factory, speculators_python):
     """Export four heads, run them all in one speculators process, return ours and theirs per case."""
-    from specheads.export import speculators as spec_fmt
+    from specheads.formats import speculators as spec_fmt
     from specheads.heads import ttt_forward
     from specheads.heads.mtp import shift_left
 
@@ -114,7 +114,7 @@ def interop(tmp_path_factory, speculators_python):
             spec_fmt.save(head, meta, out, dtype=torch.float32, include_embedding=False)
         ref_head = head
         if dtype != "float32":  # compare with the weights as stored (bf16-rounded), computed in fp32
-            from specheads.export import load_any
+            from specheads.formats import load_any
 
             ref_head = load_any(out)[0]
             ref_head.embed_tokens.weight.data.copy_(head.embed_tokens.weight.to(torch.bfloat16).float())

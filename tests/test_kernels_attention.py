@@ -1,5 +1,5 @@
 """Decode attention over the static KV cache: Triton kernel vs PyTorch reference, and the engine
-running on either (issue 14: one kernel instead of SDPA's re-layouts, workspace memset and attention).
+running on either (one kernel instead of SDPA's re-layouts, workspace memset and attention).
 
 Runs the Triton kernel through triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
 imported); ``TRITON_INTERPRET=0`` on a CUDA machine tests the compiled kernel (bf16 on tensor cores).
@@ -101,7 +101,7 @@ def test_engine_on_the_kernel_equals_the_reference(compile_layers):
 def test_greedy_decoding_on_the_kernel_is_unchanged():
     from test_runtime import PROMPTS, tiny
     from specheads.runtime.drafters import NGramDrafter
-    from specheads.runtime.generate import generate
+    from specheads.runtime.engines.static import generate
     ref, ker = _engines(tiny("llama").to(DEVICE))
     plain = generate(ref, PROMPTS, 12, stop_token_ids=()).tokens
     assert generate(ker, PROMPTS, 12, stop_token_ids=()).tokens == plain
@@ -112,7 +112,7 @@ def test_head_drafting_on_the_kernel(monkeypatch):
     """A head's own attention (the runtime's DraftCache) on the kernel drafts what it drafts on SDPA."""
     from test_runtime import PROMPTS, _head, tiny
     from specheads.runtime.drafters import Eagle3Drafter
-    from specheads.runtime.generate import generate
+    from specheads.runtime.engines.static import generate
     hf, head = tiny("llama").to(DEVICE), _head("eagle3", 48).to(DEVICE)
     got = {}
     for backend in ("torch", "triton"):

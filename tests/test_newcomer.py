@@ -6,9 +6,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from specheads.cli import build_parser, main, train_summary
-from specheads.config import StaleInputError, load_recipe
+from specheads.config import load_recipe
+from specheads.rundir import RunDir, StaleInputError, stage_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,10 +42,10 @@ def convs(tmp_path) -> Path:
 def test_prepare_refuses_regenerated_data_of_other_sources(tmp_path, convs, monkeypatch, capsys):
     old = load_recipe(None, [f"run_dir={tmp_path}", "data.regenerate.enabled=true",
                              f"data.sources=[{{path: {convs}}}]"])
-    out = old.regenerated_path
+    out = RunDir(old).regenerated
     out.parent.mkdir(parents=True)
     _jsonl(out, [{"id": "c0", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}])
-    out.with_name(out.name + ".meta.json").write_text(json.dumps({"recipe_inputs": old.stage_inputs("regenerate")}))
+    out.with_name(out.name + ".meta.json").write_text(json.dumps({"recipe_inputs": stage_inputs(old, "regenerate")}))
     other = _jsonl(tmp_path / "other.jsonl", [{"prompt": "Say hello."}])
     _no_weights(monkeypatch)
     recipe_file = tmp_path / "r.yaml"
@@ -58,11 +60,11 @@ def test_vocab_dump_and_train_refuse_rows_of_other_settings(tmp_path, convs, mon
     from specheads.data.prepare import prepare_rows
     from specheads.data.stage import run_vocab
     from specheads.dump.writer import run_dump
-    from specheads.train.loop import run_train
+    from specheads.train import run_train
 
     made = load_recipe(None, [f"run_dir={tmp_path}", f"data.sources=[{{path: {convs}}}]", "data.max_length=64"])
-    prepare_rows([{"path": str(convs)}], smollm2_tokenizer, 64, made.rows_dir,
-                 extra={"target_vocab_size": 49152, "recipe_inputs": made.stage_inputs("prepare")})
+    prepare_rows([{"path": str(convs)}], smollm2_tokenizer, 64, RunDir(made).rows,
+                 extra={"target_vocab_size": 49152, "recipe_inputs": stage_inputs(made, "prepare")})
     changed = load_recipe(None, [f"run_dir={tmp_path}", f"data.sources=[{{path: {convs}}}]", "data.max_length=128"])
     _no_weights(monkeypatch)
     for stage in (run_vocab, run_dump):
@@ -170,9 +172,9 @@ def test_model_card_reads_like_a_hub_card(tmp_path):
     import torch
 
     from interop import tiny
-    from specheads.export import speculators
-    from specheads.export.card import write_card
-    from specheads.export.common import ExportMeta
+    from specheads.formats import speculators
+    from specheads.formats.card import write_card
+    from specheads.formats.common import ExportMeta
 
     recipe = load_recipe(None, []).to_dict()
     meta = ExportMeta(verifier_name_or_path="org/tiny-target", aux_layer_ids=list(tiny.AUX), recipe=recipe,
@@ -184,7 +186,10 @@ def test_model_card_reads_like_a_hub_card(tmp_path):
     speculators.save(tiny.eagle3_head(), meta, out, dtype=torch.float32)
     text = write_card(out, meta).read_text()
     assert text.startswith("---\nlibrary_name: specheads\nbase_model: org/tiny-target\n")
-    assert f"'{{\"method\":\"eagle3\",\"model\":\"{out.resolve()}\"" in text  # works from any directory
+    assert str(tmp_path) not in text  # no absolute path: the card travels with the head
+    assert "'{\"method\":\"eagle3\",\"model\":\"exp\"" in text  # outside the working directory: its name
+    assert "rerun with `specheads train recipe.yaml`" in text
+    assert yaml.safe_load((out / "recipe.yaml").read_text()) == recipe  # the file the card's rerun line names
     assert "| coverage of training tokens | 98.8% |" in text and "| held-out loss | 3.14 |" in text
     assert "| optimizer steps | 1,234 |" in text and "3.14159265" not in text and "0.5123456" not in text
     assert '"train": {' not in text and "```yaml" in text  # the recipe is YAML, folded away

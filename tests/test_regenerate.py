@@ -4,6 +4,7 @@ import json
 import pytest
 
 from specheads.config import load_recipe
+from specheads.rundir import stage_inputs
 from specheads.data.regenerate import RegenerateError, run_regenerate
 from specheads.target import load_target
 
@@ -80,7 +81,7 @@ def test_engine_dtype_is_a_setting_of_the_file(tiny, tiny_target_dir, tmp_path, 
         run_regenerate(_recipe(tmp_path / "a", (tiny_target_dir, prompts), **{"data.regenerate.dtype": "float32"}),
                        target=tiny)
     plain = _recipe(tmp_path / "b", (tiny_target_dir, prompts))
-    assert "data.regenerate.dtype" not in plain.stage_inputs("regenerate")
+    assert "data.regenerate.dtype" not in stage_inputs(plain, "regenerate")
     assert run_regenerate(plain, target=tiny)["dtype"] == "float32"
 
 

@@ -15,7 +15,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCa
 
 from specheads.runtime.drafters import (DraftModelDrafter, Drafter, Eagle1Drafter, Eagle3Drafter, MTPDrafter,
                                         NGramDrafter, Proposal)
-from specheads.runtime.generate import generate
+from specheads.runtime.engines.static import generate
 from specheads.runtime.metrics import StepRecord, summarize
 from specheads.runtime.model import TargetModel, rope_inv_freq
 from specheads.runtime.tree import (DraftTree, Expansion, TreeConfig, ancestor_mask, ancestor_mask_reference,

@@ -20,7 +20,7 @@ def _bench():
 def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     from transformers import AutoConfig
 
-    from specheads.export.speculators import save
+    from specheads.formats.speculators import save
     from specheads.heads import HeadConfig, build_head
 
     cfg = AutoConfig.from_pretrained(tiny_target_dir)
@@ -72,46 +72,6 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):  # a profile batch that was not benchmarked: refused before anything runs
         _bench().main(["--device", "cpu", "--target", str(tiny_target_dir), "--batches", "1,2", "--profile",
                        "--profile-batch", "4"])
-
-
-def _divergence():
-    spec = importlib.util.spec_from_file_location("serving_divergence", REPO / "benchmarks" / "serving_divergence.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_serving_divergence_fp32_serving_equals_alone_and_scores_a_flip(tiny_target_dir, tmp_path):
-    div = _divergence()
-    out = tmp_path / "div.json"
-    res = div.main(["--device", "cpu", "--target", str(tiny_target_dir), "--engines", "eager", "--slots", "3",
-                    "--requests", "8", "--new-tokens", "6", "--out", str(out)])
-    assert json.loads(out.read_text())["runs"] == res["runs"]
-    assert [r["run"] for r in res["runs"]][::2] == ["alone", "plain sync", "ngram sync", "plain pipelined",
-                                                     "ngram pipelined"]
-    # fp32 on the CPU: every served request equals itself decoded alone, drafted or not, either harvest
-    assert all(r["differing_requests"] == 0 and r["tokens"] == res["runs"][0]["tokens"] for r in res["runs"])
-
-    # the scorer: a served token swapped for the target's second choice at position 2 is found there, with the
-    # fp32 margin between the two
-    from specheads.target import load_target
-
-    tgt = load_target(str(tiny_target_dir), dtype="float32")
-    stream = div.serve_prompts(tgt.tokenizer, "builtin:eval_mixed", 2)
-    prompt = stream[0][0]
-    ref = []
-    with torch.no_grad():
-        for _ in range(4):
-            ref.append(int(tgt.model(input_ids=torch.tensor([prompt + ref])).logits[0, -1].argmax()))
-        logits = tgt.model(input_ids=torch.tensor([prompt + ref[:2]])).logits[0, -1]
-    second = int(logits.topk(2).indices[1])
-    got = ref[:2] + [second, ref[3]]
-    assert div.first_difference(ref, got) == 2 and div.first_difference(ref, ref) is None
-    assert div.first_difference(ref, ref[:3]) == 3
-    rows = div.margins(tgt.model, stream[:1], [ref], [got], "cpu")
-    assert len(rows) == 1 and rows[0]["position"] == 2 and rows[0]["served_token"] == second
-    assert abs(rows[0]["margin"] - (logits[ref[2]] - logits[second]).item()) < 1e-4
-    assert rows[0]["margin"] >= 0 and abs(rows[0]["margin"] - rows[0]["top2_gap"]) < 1e-4
 
 
 def test_bench_runtime_random_head(tiny_target_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""torch.compile'd engine layers and head steps (issue 14): same logits as eager, lossless decoding,
+"""torch.compile'd engine layers and head steps: same logits as eager, lossless decoding,
 one compiled graph shared by all layers, and the K/V cache written in place (no copy of it).
 
 Runs Inductor's CPU backend (a C++ compiler builds the kernels), so each new shape costs seconds;
@@ -10,8 +10,10 @@ import torch
 
 from test_runtime import PROMPTS, _head, tiny
 from specheads.runtime import generate
-from specheads.runtime.drafters import Eagle3Drafter, HybridDrafter, NGramDrafter, hybrid_choice, ngram_match
-from specheads.runtime.generate import Generation, chain_draft, commit_rows
+from specheads.runtime.drafters import Eagle3Drafter, HybridDrafter, NGramDrafter, ngram_match
+from specheads.runtime.drafters.hybrid import hybrid_choice
+from specheads.runtime.engines.static import Generation
+from specheads.runtime.engines.step import chain_draft, commit_rows
 from specheads.runtime.model import RECOMPILE_LIMIT, TargetModel
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

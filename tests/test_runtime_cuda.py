@@ -8,7 +8,8 @@ import torch
 
 from specheads.runtime.drafters import (Eagle3Drafter, HybridDrafter, NGramDrafter, drafter_for_head, make_drafter,
                                         ngram_match)
-from specheads.runtime.generate import Generation, Request, generate, generate_continuous
+from specheads.runtime.engines.continuous import Request, generate_continuous
+from specheads.runtime.engines.static import Generation, generate
 from specheads.runtime.model import TargetModel
 from specheads.runtime.tree import TreeConfig
 

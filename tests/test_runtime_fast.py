@@ -1,4 +1,4 @@
-"""Runtime, issue 14: the device n-gram proposer, a speculative step without host syncs, the
+"""Runtime: the device n-gram proposer, a speculative step without host syncs, the
 hybrid drafter, vocabulary checks, the fast layer pieces. All on the CPU (tiny random models);
 tests/test_runtime_cuda.py runs the CUDA-only parts."""
 
@@ -14,7 +14,9 @@ from specheads.kernels import attention_ref
 from specheads.runtime.drafters import (DRAFTER_KINDS, DraftContext, Drafter, DraftVocabError, Eagle3Drafter,
                                         HybridDrafter, NGramDrafter, Proposal, drafter_for_head, make_drafter,
                                         Verified, ngram_match)
-from specheads.runtime.generate import KV_BUCKET_MIN, Generation, Request, generate, generate_continuous
+from specheads.runtime.engines.continuous import Request, generate_continuous
+from specheads.runtime.engines.graphs import KV_BUCKET_MIN
+from specheads.runtime.engines.static import Generation, generate
 from specheads.runtime.model import (TargetModel, additive_mask, apply_rope, apply_rope_fast, build_attn_mask,
                                      signed_sin)
 from specheads.runtime.tree import TreeConfig
@@ -607,7 +609,7 @@ def test_hybrid_score_counts_what_the_target_accepted():
     """hybrid_score: each kept proposal's agreement with the emitted tokens (within the known count and
     its own num), folded into the running score only on rows where the n-gram was a candidate; the
     choice then goes to the n-gram only where its score is at least the head's."""
-    from specheads.runtime.drafters import hybrid_choice, hybrid_score
+    from specheads.runtime.drafters.hybrid import hybrid_choice, hybrid_score
 
     ng = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     hd = torch.tensor([[1, 9, 9], [4, 5, 6], [7, 8, 9]])

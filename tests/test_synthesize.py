@@ -8,6 +8,7 @@ import torch
 
 from specheads.cli import main
 from specheads.config import RecipeError, load_recipe
+from specheads.rundir import RunDir
 from specheads.data.appendlog import append_rows, read_rows
 from specheads.data.formats import load_prompts
 from specheads.data.sources import resolve_source
@@ -60,7 +61,7 @@ def test_same_seed_same_file_whatever_the_batch_size(chatty, tiny_target_dir, tm
     s = run_synthesize(a, target=chatty)
     b = _recipe(tmp_path / "b", tiny_target_dir, "data.synthesize.turns=2", "data.synthesize.batch_size=8")
     run_synthesize(b, target=chatty)
-    out_a, out_b = a.synthesized_path, b.synthesized_path
+    out_a, out_b = RunDir(a).synthesized, RunDir(b).synthesized
     assert out_a.read_text() == out_b.read_text()
     assert dropped_path(out_a).read_text() == dropped_path(out_b).read_text()
 
@@ -79,14 +80,14 @@ def test_same_seed_same_file_whatever_the_batch_size(chatty, tiny_target_dir, tm
 
     other = _recipe(tmp_path / "c", tiny_target_dir, "data.synthesize.num_prompts=2", seed=1)
     run_synthesize(other, target=chatty)
-    assert [json.loads(x)["turns"][0] for x in _lines(other.synthesized_path)] != [r["turns"][0] for r in rows[:2]]
+    assert [json.loads(x)["turns"][0] for x in _lines(RunDir(other).synthesized)] != [r["turns"][0] for r in rows[:2]]
 
 
 def test_length_cap_is_counted(chatty, tiny_target_dir, tmp_path):
     r = _recipe(tmp_path, tiny_target_dir, "data.synthesize.max_new_tokens=4", "data.synthesize.copy_tasks.fraction=0",
                 "data.synthesize.min_chars=1", "data.synthesize.num_prompts=4")
     s = run_synthesize(r, target=chatty)
-    drops = [json.loads(x) for x in _lines(dropped_path(r.synthesized_path))]
+    drops = [json.loads(x) for x in _lines(dropped_path(RunDir(r).synthesized))]
     no_end = [d for d in drops if d["reason"] == "no_end"]
     assert s["dropped"]["no_end"] == len(no_end) > 0
     assert all(d["turns"] and d["turns"][0] for d in no_end)  # what it wrote before the cap, for inspection
@@ -95,14 +96,14 @@ def test_length_cap_is_counted(chatty, tiny_target_dir, tmp_path):
 def test_resume_after_a_torn_line_gives_the_same_file(chatty, tiny_target_dir, tmp_path):
     full = _recipe(tmp_path / "a", tiny_target_dir)
     run_synthesize(full, target=chatty)
-    ref, ref_drop = _lines(full.synthesized_path), _lines(dropped_path(full.synthesized_path))
+    ref, ref_drop = _lines(RunDir(full).synthesized), _lines(dropped_path(RunDir(full).synthesized))
     assert len(ref) == 6 and ref_drop
 
     # "killed" after 3 prompts, in the middle of the 4th line, the dropped rows of that batch not yet written
     part = _recipe(tmp_path / "b", tiny_target_dir)
-    out = part.synthesized_path
+    out = RunDir(part).synthesized
     out.parent.mkdir(parents=True)
-    shutil.copy(full.synthesized_path.with_name(out.name + ".meta.json"), out.parent)
+    shutil.copy(RunDir(full).synthesized.with_name(out.name + ".meta.json"), out.parent)
     out.write_text("\n".join(ref[:3]) + "\n" + ref[3][: len(ref[3]) // 2])
     dropped_path(out).write_text("\n".join(ref_drop[:1]) + "\n")
     s = run_synthesize(part, target=chatty)
@@ -225,7 +226,7 @@ def test_copy_prompts_wrap_documents(tiny_target_dir, chatty, tmp_path):
                 "data.synthesize.copy_tasks.tasks=[summarize,translate]",
                 f"data.synthesize.copy_tasks.documents={tmp_path / 'docs.jsonl'}")
     s = run_synthesize(r, target=chatty)
-    rows = [json.loads(x) for x in _lines(r.synthesized_path)]
+    rows = [json.loads(x) for x in _lines(RunDir(r).synthesized)]
     assert s["written"] == 6 and s["copy_heavy"] == 6 and s["generated_tokens"] == 0
     used = [next(i for i, t in enumerate(docs) if t in row["turns"][0]) for row in rows]
     assert len(set(used)) == 6 and {row["category"] for row in rows} <= {"summarize", "translate"}
@@ -273,7 +274,7 @@ def test_smollm2_writes_prompts(smollm2, tmp_path):
     r = load_recipe(None, [f"run_dir={tmp_path}", "data.synthesize.num_prompts=8", "data.synthesize.batch_size=8",
                            "data.synthesize.max_new_tokens=48", "data.synthesize.copy_tasks.document_tokens=64"])
     s = run_synthesize(r, target=smollm2)
-    rows = load_prompts(r.synthesized_path)
+    rows = load_prompts(RunDir(r).synthesized)
     assert s["written"] == len(rows) == 8 and all(row["category"] for row in rows)
     texts = [" ".join(row["turns"][0].lower().split()) for row in rows]
     assert all(len(t) >= 12 for t in texts) and len(set(texts)) == 8

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from specheads.config import recipe_from_dict
-from specheads.export.trained import load_trained_head
-from specheads.train import (BatchError, HeadShapeError, ResumeMismatchError, TrainingDivergedError, build_head,
-                             run_train)
+from specheads.formats.trained import load_trained_head
+from specheads.rundir import ResumeMismatchError, RunDir
+from specheads.train import BatchError, HeadShapeError, TrainingDivergedError, build_head, run_train
 from specheads.train.losses import TargetLogits, TargetView, counted_positions, distill_step, simulated_tau
 from specheads.train.run_log import read_metrics
 from synthetic_target import SyntheticFeed, synthetic_vocab, tiny_target
@@ -180,7 +180,7 @@ def test_builder_checks_and_lora(target, vocab, tmp_path):
     lb = build_head(r, target, vocab)
     trainable = [n for n, p in lb.head.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
-    from specheads.export.trained import merged_state_dict
+    from specheads.heads.lora import merged_state_dict
 
     assert set(merged_state_dict(lb.head)) == set(built.head.state_dict())
 
@@ -289,7 +289,7 @@ def _token_rows(n=20, seed=0, vocab=256):
 
 def test_offline_dump_feed_and_mismatch(tmp_path):
     from specheads.dump import run_dump
-    from specheads.dump.store import DumpError
+    from specheads.errors import DumpError
 
     tgt = tiny_target(layers=8)
     base = {"run_dir": str(tmp_path), "seed": 0, "data": {"max_length": 32},
@@ -310,16 +310,16 @@ def test_offline_dump_feed_and_mismatch(tmp_path):
 
 
 def test_torch_adamw_when_fused_adam_cannot_build(target, vocab, tmp_path, monkeypatch):
-    from specheads.train import loop
+    from specheads.train import engine
 
-    monkeypatch.setattr(loop, "fused_adam_problem", lambda: "simulated op build failure")
+    monkeypatch.setattr(engine, "fused_adam_problem", lambda: "simulated op build failure")
     s = run_train(make_recipe(tmp_path, max_steps=3), target=target, feed=SyntheticFeed(target), vocab=vocab,
                   progress=False)
     assert s["steps"] == 3 and s["losses"][-1] < s["losses"][0]
 
 
 def test_warm_start_from_export_with_lora(target, vocab, tmp_path):
-    from specheads.export import speculators
+    from specheads.formats import speculators
 
     r0 = make_recipe(tmp_path / "src")
     src = build_head(r0, target, vocab).head
@@ -412,7 +412,7 @@ def test_smollm2_end_to_end_offline(smollm2, tmp_path):
                           "dump": {"dtype": "bfloat16"},
                           "train": {"ttt_steps": 2, "max_steps": 3, "micro_batch_size": 2, "eval_every": 3,
                                     "eval_fraction": 0.2, "loss_kernel": "torch", "logging": {"wandb": "offline"}}})
-    save_vocab(r.vocab_dir, *select_draft_vocab(rows, 512, smollm2.vocab_size))
+    save_vocab(RunDir(r).vocab, *select_draft_vocab(rows, 512, smollm2.vocab_size))
     run_dump(r, target=smollm2, rows=rows, progress=False)
     s = run_train(r, target=smollm2, progress=False)
     assert s["steps"] == 3 and all(torch.isfinite(torch.tensor(s["losses"])))
@@ -425,7 +425,8 @@ def test_smollm2_end_to_end_offline(smollm2, tmp_path):
 def test_head_fc_bias_from_the_recipe(target, vocab, tmp_path):
     """head.fc_bias=false gives an EAGLE-1 head vLLM serves (its llama_eagle has no fc bias): the export
     passes vLLM's check; the default keeps the original EAGLE layout; EAGLE-3 refuses a bias."""
-    from specheads.export import eagle, validate
+    from specheads.formats import eagle
+    from specheads.export import validate
 
     r = make_recipe(tmp_path, "eagle1")
     assert build_head(r, target, vocab).head.fc.bias is not None
@@ -454,3 +455,31 @@ def test_profile_steps_write_the_operator_table(target, vocab, tmp_path):
     s = run_train(make_recipe(tmp_path / "e", max_steps=3, profile_steps=[2, 9]), target=target,
                   feed=SyntheticFeed(target), vocab=vocab, progress=False)
     assert "optimizer steps 2..3 (2 steps" in Path(s["profile"]).read_text()
+
+
+def test_deepspeed_logs_go_above_the_progress_bar(capsys):
+    """DeepSpeed logs to stdout while the bar draws on stderr: during training its records go through
+    tqdm.write (bar cleared, line written, bar redrawn), never into the middle of the bar's line."""
+    import logging
+    import sys
+    from types import SimpleNamespace
+
+    from deepspeed.utils import logger as ds_logger
+
+    from specheads.train.loop import _progress_bar
+
+    own = logging.StreamHandler(sys.stdout)  # as DeepSpeed's own handler, on this test's stdout
+    saved, ds_logger.handlers = ds_logger.handlers, [own]
+    try:
+        run = SimpleNamespace(rank=0, total=3, cfg=SimpleNamespace(kind="eagle3"))
+        with _progress_bar(run, 0, True) as bar:
+            bar.update(1)
+            assert own not in ds_logger.handlers  # routed through tqdm while the bar is up
+            ds_logger.warning("a DeepSpeed warning")
+        assert ds_logger.handlers == [own]
+        with _progress_bar(SimpleNamespace(rank=1), 0, True) as bar:  # other ranks draw no bar
+            assert bar is None
+    finally:
+        ds_logger.handlers = saved
+    out = capsys.readouterr()
+    assert "a DeepSpeed warning\n" in out.out and "train eagle3" in out.err

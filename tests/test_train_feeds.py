@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specheads.dump.feed import Feed
-from specheads.dump.store import DumpError
+from specheads.errors import DumpError
 
 
 class _Lengths:

@@ -9,7 +9,7 @@ from specheads.heads.config import HeadConfig
 from specheads.heads.eagle3 import Eagle3Head
 from specheads.heads.ttt import ttt_forward
 from specheads.runtime.drafters import drafter_for_head
-from specheads.runtime.generate import generate
+from specheads.runtime.engines.static import generate
 from specheads.runtime.model import TargetModel
 
 

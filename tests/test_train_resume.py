@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from specheads.train import ResumeMismatchError
-from specheads.train.checkpoint import compare_fingerprints
+from specheads.rundir import ResumeMismatchError, compare_fingerprints
 
 STEPS, SAVE_AT = 12, 6
 

@@ -6,8 +6,15 @@ from .sources import split_holdout
 from .prepare import load_rows, load_summary, prepare_rows
 from .template import TemplateError, tokenize_conversation
 from .vocab import load_vocab, save_vocab, select_draft_vocab
+from .stage import run_prepare, run_vocab
+from .regenerate import run_regenerate
+from .synthesize import run_synthesize
 
 __all__ = [
+    "run_prepare",
+    "run_regenerate",
+    "run_synthesize",
+    "run_vocab",
     "DataError",
     "TemplateError",
     "load_conversations",

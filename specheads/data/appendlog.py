@@ -14,7 +14,7 @@ rerun must continue it rather than start over or mix in data made otherwise:
 
 from __future__ import annotations
 
-from specheads.config import stage_input_diff
+from specheads.rundir import stage_input_diff
 from specheads.fileio import write_json_atomic
 
 import errno

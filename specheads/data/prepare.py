@@ -133,6 +133,26 @@ def prepare_rows(
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
 
     # Load (and validate) every source first: a bad file fails before any tokenizing.
+    loaded = _load_sources(sources, limit, holdout_fraction)
+    columns, per_source, totals = _tokenize_sources(loaded, tokenizer, max_length, chat_template, num_proc)
+
+    summary = dict(
+        totals,
+        skipped=totals["skipped_no_assistant"],
+        max_length=int(max_length),
+        holdout_fraction=float(holdout_fraction),
+        tokenizer=tokenizer_name(tokenizer),
+        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
+        sources=per_source,
+    )
+    if extra:
+        summary.update(extra)  # e.g. {"target": target.identity()}
+    _write_rows(datasets.Dataset.from_dict(columns, features=rows_features()), summary, out_dir)
+    return summary
+
+
+def _load_sources(sources: list, limit: int | None, holdout_fraction: float) -> list[tuple]:
+    """(path, format, conversations kept, count held out) of each source, each capped at its first ``limit``."""
     loaded = []
     for spec in sources:
         path, fmt, own_limit = _source(spec)
@@ -142,7 +162,12 @@ def prepare_rows(
             convs = convs[: min(caps)]
         convs, held = split_holdout(convs, holdout_fraction)
         loaded.append((path, fmt, convs, len(held)))
+    return loaded
 
+
+def _tokenize_sources(loaded: list[tuple], tokenizer, max_length: int, chat_template, num_proc: int):
+    """(columns, per-source counts, totals) of the token rows of the loaded sources; a conversation without
+    assistant tokens makes no row."""
     columns: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "conv_id", "source", "category")}
     per_source: dict[str, dict] = {}
     totals = dict(rows=0, tokens=0, masked_tokens=0, skipped_no_assistant=0, truncated=0, conversations=0, holdout=0)
@@ -173,20 +198,12 @@ def prepare_rows(
                 d["tokens"] += n
                 d["masked_tokens"] += masked
                 d["truncated"] += int(row["truncated"])
+    return columns, per_source, totals
 
-    summary = dict(
-        totals,
-        skipped=totals["skipped_no_assistant"],
-        max_length=int(max_length),
-        holdout_fraction=float(holdout_fraction),
-        tokenizer=tokenizer_name(tokenizer),
-        chat_template_sha256=hashlib.sha256(template.encode()).hexdigest() if template else None,
-        sources=per_source,
-    )
-    if extra:
-        summary.update(extra)  # e.g. {"target": target.identity()}
 
-    ds = datasets.Dataset.from_dict(columns, features=rows_features())
+def _write_rows(ds, summary: dict, out_dir: Path) -> None:
+    """``ds`` and ``summary.json`` at ``out_dir``, written beside it and renamed into place (a previous
+    result is replaced only once the new one is complete, and put back if the rename fails)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     old = None
@@ -206,7 +223,6 @@ def prepare_rows(
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return summary
 
 
 def load_rows(path: str | Path):

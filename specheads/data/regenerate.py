@@ -21,6 +21,7 @@ import time
 
 from specheads.errors import SpecheadsError
 from specheads.fileio import write_json_atomic
+from specheads.rundir import RunDir, stage_inputs
 
 from .appendlog import append_rows, check_recipe_inputs, check_settings, read_rows
 
@@ -41,7 +42,7 @@ def _settings_doc(recipe, target) -> dict:
         "holdout_fraction": recipe.data.holdout_fraction,
         "max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
         "max_prompt_tokens": g.max_prompt_tokens, "seed": recipe.seed,
-        "recipe_inputs": recipe.stage_inputs("regenerate"),
+        "recipe_inputs": stage_inputs(recipe, "regenerate"),
     }
 
 
@@ -75,7 +76,7 @@ def run_regenerate(recipe, target=None) -> dict:
     from specheads.target import load_target_for
 
     g = recipe.data.regenerate
-    out = recipe.regenerated_path
+    out = RunDir(recipe).regenerated
     items, stats = load_prompt_items(recipe)
     check_recipe_inputs(out, recipe, "regenerate", RegenerateError, OUT_KEY)
     if target is None:
@@ -91,7 +92,7 @@ def run_regenerate(recipe, target=None) -> dict:
     dtype = getattr(torch, g.dtype) if g.dtype else target.dtype
     drafter = None
     if g.head:
-        from specheads.export.convert import load_head_for
+        from specheads.formats.convert import load_head_for
         from specheads.runtime.drafters import drafter_for_head
 
         head, _meta = load_head_for(g.head, target)

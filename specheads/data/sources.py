@@ -17,8 +17,9 @@ BUILTIN = {
     "builtin:demo_prompts": Path(__file__).resolve().parent.parent / "assets" / "demo_prompts.jsonl",
     # categories, openers and copy-task templates of `data synthesize` (data.synthesize.seeds)
     "builtin:synthesize_seeds": Path(__file__).resolve().parent.parent / "assets" / "synthesize_seeds.yaml",
-    # the mixed evaluation set: 7 categories, copy-heavy tasks included, all drawn from rows of
-    # ../shared/data that holdout_fraction 0.05 keeps out of training (benchmarks/build_eval_set.py)
+    # the mixed evaluation set: 7 categories, copy-heavy tasks included, all drawn from rows of the
+    # reference recipe's public prompt files that holdout_fraction 0.05 keeps out of training
+    # (benchmarks/build_eval_set.py)
     "builtin:eval_mixed": Path(__file__).resolve().parent.parent / "assets" / "eval_mixed.jsonl",
 }
 

@@ -1,19 +1,19 @@
-"""Recipe-level entry points of the data stages (called by ``specheads.cli``).
+"""Recipe-level entry points of the token-row and vocabulary stages (called by ``specheads.cli``).
 
 ``run_prepare(recipe)``  sources (or the regenerated answers) -> token rows at
-                         ``recipe.rows_dir`` (summary.json records the target).
-``run_vocab(recipe)``    token rows -> ``recipe.vocab_dir`` (vocab.safetensors + vocab.json).
-``run_regenerate(recipe)`` prompts -> the target's own answers (see data/regenerate.py).
-``run_synthesize(recipe)`` nothing -> prompts written by the target (see data/synthesize.py).
+                         ``RunDir(recipe).rows`` (summary.json records the target).
+``run_vocab(recipe)``    token rows -> ``RunDir(recipe).vocab`` (vocab.safetensors + vocab.json).
+
+The generating stages have their own modules: ``run_regenerate`` (data/regenerate.py) and
+``run_synthesize`` (data/synthesize.py); all four are imported from ``specheads.data``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
-from specheads.config import check_stage_inputs
+from specheads.rundir import RunDir, check_stage_inputs, stage_inputs
 from specheads.errors import MissingInputError
 from .prepare import load_rows, load_summary, prepare_rows
 from .sources import resolve_source
@@ -21,12 +21,12 @@ from .vocab import VOCAB_JSON, VocabError, save_vocab, select_draft_vocab
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_prepare", "run_vocab", "run_regenerate", "run_synthesize"]
+__all__ = ["run_prepare", "run_vocab", "check_rows", "check_vocab"]
 
 
 def _sources(recipe) -> list:
     if recipe.data.regenerate.enabled:
-        path = recipe.regenerated_path
+        path = RunDir(recipe).regenerated
         if not path.exists():
             raise MissingInputError(f"{path} not found: run `specheads data regenerate` first (data.regenerate.enabled is true)")
         meta = path.with_name(path.name + ".meta.json")
@@ -38,18 +38,19 @@ def _sources(recipe) -> list:
 
 def check_rows(recipe) -> dict:
     """The token rows' summary, refused when the rows were prepared from other settings."""
-    summary = load_summary(recipe.rows_dir)
-    check_stage_inputs(summary.get("recipe_inputs"), recipe, "prepare", recipe.rows_dir,
-                       "specheads data prepare RECIPE")
+    rows = RunDir(recipe).rows
+    summary = load_summary(rows)
+    check_stage_inputs(summary.get("recipe_inputs"), recipe, "prepare", rows, "specheads data prepare RECIPE")
     return summary
 
 
 def check_vocab(recipe) -> None:
     """Refuse a draft vocabulary selected from other rows or for another draft_vocab_size."""
-    stats_file = Path(recipe.vocab_dir) / VOCAB_JSON
+    vocab = RunDir(recipe).vocab
+    stats_file = vocab / VOCAB_JSON
     if stats_file.is_file():
         recorded = json.loads(stats_file.read_text()).get("recipe_inputs")
-        check_stage_inputs(recorded, recipe, "vocab", recipe.vocab_dir, "specheads vocab RECIPE")
+        check_stage_inputs(recorded, recipe, "vocab", vocab, "specheads vocab RECIPE")
 
 
 def run_prepare(recipe) -> dict:
@@ -60,6 +61,7 @@ def run_prepare(recipe) -> dict:
         resolve_source(src["path"] if isinstance(src, dict) else src.path)
     # the tokenizer and the config are all this stage needs: no weights
     facts = target_facts(recipe.target.source)
+    rows = RunDir(recipe).rows
     identity = {"name": recipe.target.source, "model_type": facts["model_type"],
                 "num_layers": facts["num_hidden_layers"], "hidden_size": facts["hidden_size"],
                 "vocab_size": facts["vocab_size"], "adapter": recipe.target.adapter}
@@ -67,21 +69,21 @@ def run_prepare(recipe) -> dict:
         sources,
         load_tokenizer_for(recipe),
         recipe.data.max_length,
-        recipe.rows_dir,
+        rows,
         holdout_fraction=recipe.data.holdout_fraction,
         extra={"target": identity, "target_vocab_size": facts["vocab_size"],
-               "recipe_inputs": recipe.stage_inputs("prepare")},
+               "recipe_inputs": stage_inputs(recipe, "prepare")},
     )
     print(
         f"token rows: {summary['rows']} rows, {summary['tokens']} tokens "
         f"({summary['masked_tokens']} loss-masked), {summary['skipped_no_assistant']} skipped without "
-        f"assistant tokens, {summary['truncated']} truncated, {summary['holdout']} held out -> {recipe.rows_dir}"
+        f"assistant tokens, {summary['truncated']} truncated, {summary['holdout']} held out -> {rows}"
     )
     return summary
 
 
 def run_vocab(recipe) -> dict:
-    rows_dir = recipe.rows_dir
+    rows_dir, vocab_dir = RunDir(recipe).rows, RunDir(recipe).vocab
     summary = check_rows(recipe)  # MissingInputError naming the stage to run when absent
     ds = load_rows(rows_dir)
     vt = summary.get("target_vocab_size")
@@ -94,24 +96,12 @@ def run_vocab(recipe) -> dict:
     d2t, t2d, stats = select_draft_vocab(ds, vd, vt)
     stats["rows_dir"] = str(rows_dir)
     stats["target"] = summary.get("target")
-    stats["recipe_inputs"] = recipe.stage_inputs("vocab")
-    save_vocab(recipe.vocab_dir, d2t, t2d, stats)
+    stats["recipe_inputs"] = stage_inputs(recipe, "vocab")
+    save_vocab(vocab_dir, d2t, t2d, stats)
     msg = f"draft vocab: {vd} of {vt} tokens, coverage {stats['coverage']:.2%} of masked tokens"
     if stats["filled"]:
         msg += f" ({stats['filled']} unseen ids added to fill)"
     if stats["identity"]:
         msg += " (identity: d2t/t2d omitted in exports)"
-    print(f"{msg} -> {recipe.vocab_dir}")
+    print(f"{msg} -> {vocab_dir}")
     return stats
-
-
-def run_regenerate(recipe, target=None) -> dict:
-    from .regenerate import run_regenerate as _run
-
-    return _run(recipe, target=target)
-
-
-def run_synthesize(recipe, target=None) -> dict:
-    from .synthesize import run_synthesize as _run
-
-    return _run(recipe, target=target)

@@ -39,6 +39,7 @@ from __future__ import annotations
 from specheads.config import CopyTask, SeedCategory
 from specheads.errors import SpecheadsError
 from specheads.fileio import write_json_atomic
+from specheads.rundir import RunDir, stage_inputs
 
 import hashlib
 import json
@@ -433,7 +434,7 @@ class _Writer:
         generation's seed apart; ``stops`` None = EOS); gives (tokens, finish reason), or None
         when it does not fit the cache (the item is then dropped as 'overlong')."""
         from specheads.runtime.chat import seed_for
-        from specheads.runtime.generate import Request
+        from specheads.runtime.engines.continuous import Request
 
         if len(prompt) + max_new + 1 > self.engine.max_seq:
             it.reason = "overlong"
@@ -487,7 +488,7 @@ class _Writer:
 
     def run(self, items, on_item) -> None:
         """Generate every item of ``items`` (pulled as slots free up); ``on_item(item)`` as each is complete."""
-        from specheads.runtime.generate import generate_flows
+        from specheads.runtime.engines.continuous import generate_flows
 
         g = self.cfg
         generate_flows(self.engine, ((it, self._flow(it)) for it in items), on_item, on_tokens=self._count,
@@ -555,14 +556,14 @@ def plot_categories(summary: dict, path: Path) -> None:
 
 
 def run_synthesize(recipe, target=None) -> dict:
-    import torch
+    """Prompts written by the target (``data.synthesize``), appended to ``RunDir(recipe).synthesized``;
+    a rerun continues where the last one stopped. Returns the run's summary."""
     from tqdm import tqdm
 
-    from specheads.runtime.model import KVCacheTooLarge, TargetModel
     from specheads.target import load_target_for, load_tokenizer_for
 
     cfg = recipe.data.synthesize
-    out = recipe.synthesized_path
+    out = RunDir(recipe).synthesized
     # everything that can be wrong with the inputs fails here, before any weights load
     seeds = load_seeds(cfg)
     documents = (load_documents(cfg.copy_tasks.documents, recipe.seed)
@@ -579,7 +580,7 @@ def run_synthesize(recipe, target=None) -> dict:
     settings = {"target": {"name": target.name, "config_hash": target.config_hash},
                 "seeds_sha256": seeds.sha256,
                 "documents_sha256": hashlib.sha256("\0".join(documents).encode()).hexdigest() if documents else None,
-                "recipe_inputs": recipe.stage_inputs("synthesize")}
+                "recipe_inputs": stage_inputs(recipe, "synthesize")}
     check_settings(out, settings, SynthesizeError, OUT_KEY, COMMAND)
     drop_out = dropped_path(out)
     kept, dropped = read_rows(out), read_rows(drop_out)
@@ -588,17 +589,7 @@ def run_synthesize(recipe, target=None) -> dict:
     for r in kept:
         dedup.admit(r["id"], dedup_text(r["turns"]))
 
-    limit = int(getattr(target.config, "max_position_embeddings", 8192) or 8192)
-    max_seq = _max_seq(cfg, prefix_len, documents is not None, limit)
-    try:
-        engine = TargetModel.from_hf(target.model, max_batch=cfg.batch_size, max_seq=max_seq,
-                                     dtype=getattr(torch, cfg.dtype) if cfg.dtype else None)
-    except KVCacheTooLarge as e:
-        fix = f"set data.synthesize.batch_size <= {e.fits}, or lower" if e.fits else "not one row fits: lower"
-        raise SynthesizeError(f"data.synthesize.batch_size={cfg.batch_size}: {e}: {fix} "
-                              f"data.synthesize.max_new_tokens, turns or copy_tasks.document_tokens") from None
-    if cfg.compile:
-        engine.compile_layers()
+    engine = _engine(target, cfg, prefix_len, documents is not None)
     writer = _Writer(engine, tokenizer, cfg, recipe.seed, stops)
     already = len(kept)
     max_index = ATTEMPTS_PER_PROMPT * cfg.num_prompts
@@ -648,16 +639,41 @@ def run_synthesize(recipe, target=None) -> dict:
             writer.run(items(), judge)
         finally:
             bar.close()
-    elapsed = time.time() - t0
+    return _finish(cfg, out, drop_out, kept, dropped, already, writer.tokens, time.time() - t0, max_index)
+
+
+def _engine(target, cfg, prefix_len: int, with_documents: bool):
+    """The generation engine, its cache sized for the longest conversation ``cfg`` can write."""
+    import torch
+
+    from specheads.runtime.model import KVCacheTooLarge, TargetModel
+
+    limit = int(getattr(target.config, "max_position_embeddings", 8192) or 8192)
+    max_seq = _max_seq(cfg, prefix_len, with_documents, limit)
+    try:
+        engine = TargetModel.from_hf(target.model, max_batch=cfg.batch_size, max_seq=max_seq,
+                                     dtype=getattr(torch, cfg.dtype) if cfg.dtype else None)
+    except KVCacheTooLarge as e:
+        fix = f"set data.synthesize.batch_size <= {e.fits}, or lower" if e.fits else "not one row fits: lower"
+        raise SynthesizeError(f"data.synthesize.batch_size={cfg.batch_size}: {e}: {fix} "
+                              f"data.synthesize.max_new_tokens, turns or copy_tasks.document_tokens") from None
+    if cfg.compile:
+        engine.compile_layers()
+    return engine
+
+
+def _finish(cfg, out: Path, drop_out: Path, kept: list, dropped: list, already: int, tokens: int, elapsed: float,
+            max_index: int) -> dict:
+    """The run's summary (and category plot) beside the output, and its one line for the user."""
     summary = {"out": str(out), "dropped_file": str(drop_out), **summarize(cfg, kept, dropped),
-               "already_done": already, "generated_tokens": writer.tokens, "seconds": elapsed,
-               "tokens_per_s": writer.tokens / elapsed if elapsed else 0.0,
+               "already_done": already, "generated_tokens": tokens, "seconds": elapsed,
+               "tokens_per_s": tokens / elapsed if elapsed else 0.0,
                "stopped_at_attempt_limit": len(kept) < cfg.num_prompts}
     summary_path = out.parent / SUMMARY_NAME
     write_json_atomic(summary_path, summary)
     plot_categories(summary, out.parent / PLOT_NAME)
     reasons = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
-    print(f"synthesized {summary['written']} prompts ({summary['written'] - already} this run, {writer.tokens} tokens, "
+    print(f"synthesized {summary['written']} prompts ({summary['written'] - already} this run, {tokens} tokens, "
           f"{summary['tokens_per_s']:.0f} tok/s); dropped {summary['dropped_total']} ({reasons}); near-duplicate "
           f"rate {summary['near_duplicate_rate']:.1%} -> {out}")
     if summary["stopped_at_attempt_limit"]:

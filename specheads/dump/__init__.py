@@ -12,14 +12,14 @@ from specheads.dump.online import OnlineFeed
 from specheads.dump.reader import DumpDataset, collate
 from specheads.dump.store import (
     DumpCorruptError,
-    DumpError,
-    DumpMismatchError,
     dequantize_fp8,
     fp8_error_bound,
     quantize_fp8,
     read_manifest,
 )
 from specheads.dump.writer import run_dump
+from specheads.errors import DumpError
+from specheads.rundir import DumpMismatchError
 
 __all__ = [
     "DumpCorruptError", "DumpDataset", "DumpError", "DumpMismatchError", "Feed", "OnlineFeed", "collate",

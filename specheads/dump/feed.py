@@ -41,11 +41,11 @@ import os
 import numpy as np
 import torch
 
-from specheads.config import check_stage_inputs
 from specheads.dump.online import OnlineFeed
 from specheads.dump.reader import DumpDataset, collate, open_manifest
-from specheads.dump.store import DumpError, DumpMismatchError
+from specheads.errors import DumpError
 from specheads.layer_ids import resolve_aux_layer_ids
+from specheads.rundir import RunDir, check_online_target, check_stage_inputs
 
 
 def pad_batch(batch: dict, rows: int, length: int) -> dict:
@@ -314,23 +314,6 @@ def _expected_layer_ids(recipe, target, num_layers: int | None) -> list[int]:
     return resolve_aux_layer_ids(recipe.head.aux_layer_ids, target.num_layers if target is not None else num_layers)
 
 
-def check_online_target(rows_target: dict | None, target, rows_dir) -> None:
-    """Online training computes the states with ``target`` itself, so nothing on disk records whose states they
-    are: refuse a target other than the one the token rows were prepared for (the recipe's, which `data prepare`
-    records), naming what differs. Rows given in memory record nothing and pass."""
-    if not rows_target:
-        return
-    have = {**target.identity(), "name": getattr(target, "source", None) or target.name}
-    keys = ("name", "model_type", "num_layers", "hidden_size", "vocab_size", "adapter")
-    diff = [k for k in keys if k in rows_target and rows_target[k] != have.get(k)]
-    if diff:
-        raise DumpMismatchError(
-            f"online training: the token rows at {rows_dir} were prepared for target "
-            + ", ".join(f"{k}={rows_target[k]!r}" for k in diff) + ", but the target given has "
-            + ", ".join(f"{k}={have.get(k)!r}" for k in diff)
-            + ": train with the recipe's target (target.source, target.adapter) or rerun `specheads data prepare`")
-
-
 def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_size: int = 1, *,
               rows=None, expected_config_hash: str | None = None, dtype: torch.dtype | None = None) -> Feed:
     """Batches of ``recipe.train.micro_batch_size`` rows (or of ``train.max_tokens_per_batch``
@@ -342,15 +325,15 @@ def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_si
     head's aux layer ids. ``dtype`` casts aux/final (default: stored dtype, fp8 → bf16,
     offline; the target's dtype online).
     """
-    mode = recipe.dump.mode
+    mode, paths = recipe.dump.mode, RunDir(recipe)
     if mode == "offline":
         if target is None and expected_config_hash is None:
             raise DumpError("an offline feed needs the target (or expected_config_hash) to check the store against")
-        manifest = open_manifest(recipe.dump_dir)
-        check_stage_inputs(manifest.get("recipe_inputs"), recipe, "prepare", recipe.dump_dir,
+        manifest = open_manifest(paths.dump)
+        check_stage_inputs(manifest.get("recipe_inputs"), recipe, "prepare", paths.dump,
                            "specheads data prepare RECIPE` and `specheads dump RECIPE")
         layer_ids = _expected_layer_ids(recipe, target, manifest["target"]["num_layers"])
-        ds = DumpDataset(recipe.dump_dir, expected_target=target.identity() if target is not None else None,
+        ds = DumpDataset(paths.dump, expected_target=target.identity() if target is not None else None,
                          expected_config_hash=expected_config_hash, expected_layer_ids=layer_ids, dtype=dtype)
         source = _OfflineSource(ds, num_workers=recipe.train.num_workers)
         info = {"target": ds.target, "aux_layer_ids": ds.aux_layer_ids, "hidden_size": ds.hidden_size,
@@ -367,8 +350,8 @@ def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_si
 
             device = _device_for(recipe, int(os.environ.get("LOCAL_RANK", "0")))
             target = load_target_for(recipe, device=str(device), require_chat_template=False)
-        check_online_target(rows_target, target, recipe.rows_dir)
-        online = OnlineFeed(target, rows if rows is not None else recipe.rows_dir,
+        check_online_target(rows_target, target, paths.rows)
+        online = OnlineFeed(target, rows if rows is not None else paths.rows,
                             aux_layer_ids=_expected_layer_ids(recipe, target, None), dtype=dtype,
                             compute_dtype=recipe.dump.compute_dtype)
         source = _OnlineSource(online)

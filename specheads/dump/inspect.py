@@ -11,12 +11,12 @@ from pathlib import Path
 from specheads.dump.store import (
     MANIFEST,
     PROGRESS_DIR,
-    DumpError,
     ShardArrays,
     file_sha256,
     read_manifest,
     shard_problems,
 )
+from specheads.errors import DumpError
 
 
 def inspect_store(root, *, check_sha: bool = True) -> dict:

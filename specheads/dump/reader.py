@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from specheads.errors import DumpError
+from specheads.rundir import check_store_identity
+
 from specheads.dump.store import (
     FP8_DTYPE,
     DumpCorruptError,
-    DumpError,
-    DumpMismatchError,
     ShardArrays,
-    describe_target,
     dequantize_fp8,
     file_sha256,
     read_manifest,
@@ -54,23 +54,6 @@ def verify_shard(root: Path, record: dict) -> None:
         _VERIFIED[key] = digest
 
 
-def check_identity(manifest: dict, root, *, expected_target: dict | None = None,
-                   expected_config_hash: str | None = None, expected_layer_ids=None) -> None:
-    have = manifest["target"]
-    want_hash = expected_target.get("config_hash") if expected_target else expected_config_hash
-    if want_hash is not None and want_hash != have.get("config_hash"):
-        want = describe_target(expected_target) if expected_target else f"config_hash {want_hash}"
-        raise DumpMismatchError(
-            f"{root} holds hidden states of target {describe_target(have)}, but the expected target is {want}; "
-            f"re-dump with this target (or point dump.dir at the right store)"
-        )
-    if expected_layer_ids is not None and list(expected_layer_ids) != list(manifest["aux_layer_ids"]):
-        raise DumpMismatchError(
-            f"{root} holds aux_layer_ids {manifest['aux_layer_ids']}, but the head expects "
-            f"{list(expected_layer_ids)}; re-dump with head.aux_layer_ids={list(expected_layer_ids)}"
-        )
-
-
 def open_manifest(root) -> dict:
     root = Path(root)
     m = read_manifest(root)
@@ -94,8 +77,8 @@ class DumpDataset(Dataset):
                  expected_layer_ids=None, dtype: torch.dtype | None = None, verify: bool = True):
         self.root = Path(root)
         self.manifest = open_manifest(self.root)
-        check_identity(self.manifest, self.root, expected_target=expected_target,
-                       expected_config_hash=expected_config_hash, expected_layer_ids=expected_layer_ids)
+        check_store_identity(self.manifest, self.root, expected_target=expected_target,
+                             expected_config_hash=expected_config_hash, expected_layer_ids=expected_layer_ids)
         self.shards = self.manifest["shards"]
         if verify:
             for rec in self.shards:

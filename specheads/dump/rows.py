@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from specheads.data.prepare import load_rows
-from specheads.dump.store import DumpError
+from specheads.errors import DumpError
 
 _CHUNK = 8192
 

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from specheads import fileio
-from specheads.errors import SpecheadsError
+from specheads.errors import DumpError
 from specheads.fileio import fsync_dir
 
 FORMAT = "specheads-dump"
@@ -70,14 +70,6 @@ _ST_DTYPES = {
     "U8": (np.uint8, 1),
     "F8_E4M3": (np.uint8, 1),
 }
-
-
-class DumpError(SpecheadsError, RuntimeError):
-    """A dump cannot be written or read as asked."""
-
-
-class DumpMismatchError(DumpError):
-    """The store belongs to another target, layer set, or dump configuration."""
 
 
 class DumpCorruptError(DumpError):
@@ -398,32 +390,6 @@ def read_manifest(root: Path) -> dict | None:
             f"(reads up to {FORMAT_VERSION}); upgrade specheads"
         )
     return doc
-
-
-def describe_target(t: dict) -> str:
-    return f"{t.get('name')!r} (config_hash {t.get('config_hash')})"
-
-
-def check_compatible(existing: dict, new: dict, root: Path) -> None:
-    """Refuse to add to a store made for another target / layer set / layout."""
-    et, nt = existing["target"], new["target"]
-    if et.get("config_hash") != nt.get("config_hash"):
-        raise DumpMismatchError(
-            f"{root} holds a dump of target {describe_target(et)}; this run's target is "
-            f"{describe_target(nt)}. Use another dump.dir (or delete the old store)."
-        )
-    if list(existing["aux_layer_ids"]) != list(new["aux_layer_ids"]):
-        raise DumpMismatchError(
-            f"{root} holds a dump with aux_layer_ids {existing['aux_layer_ids']}; this run asks for "
-            f"{new['aux_layer_ids']}. Use another dump.dir (or delete the old store)."
-        )
-    for key, what in (("dtype", "dump.dtype"), ("max_length", "data.max_length"),
-                      ("shard_tokens", "dump.shard_tokens"), ("rows_sha256", "token rows (rows_sha256)")):
-        if existing.get(key) != new.get(key):
-            raise DumpMismatchError(
-                f"{root} was written with {what} = {existing.get(key)!r}; this run has {new.get(key)!r}. "
-                f"Resume with the same settings, or use another dump.dir."
-            )
 
 
 def shard_problems(arr: "ShardArrays", record: dict, manifest: dict) -> list[str]:

@@ -39,16 +39,15 @@ import numpy as np
 import torch
 
 from specheads.dump.rows import TokenRows
+from specheads.errors import DumpError
 from specheads.fileio import tmp_path_for
 from specheads.dump.store import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     PROGRESS_DIR,
-    DumpError,
     ShardPlan,
     bytes_per_token,
-    check_compatible,
     file_sha256,
     pack_batches,
     plan_shards,
@@ -62,6 +61,7 @@ from specheads.dump.store import (
     write_json_atomic,
     write_safetensors_atomic,
 )
+from specheads.rundir import RunDir, check_store_compatible, stage_inputs
 
 log = logging.getLogger("specheads.dump")
 
@@ -155,7 +155,7 @@ def _header(target, layer_ids, recipe, rows_sha: str) -> dict:
         "batch_tokens": int(recipe.dump.batch_tokens),
         "rows_sha256": rows_sha,
         # the recipe settings the token rows were prepared with: training refuses a stale store
-        "recipe_inputs": recipe.stage_inputs("prepare"),
+        "recipe_inputs": stage_inputs(recipe, "prepare"),
         "layout": {
             "input_ids": "int32 [N]", "loss_mask": "uint8 [N]", "row_offsets": "int64 [rows+1]",
             "aux": f"[N, {len(layer_ids)}*{target.hidden_size}] = cat(output_hidden_states[i] for i in aux_layer_ids)",
@@ -306,7 +306,7 @@ def _verify_record(root: Path, plan: ShardPlan, record: dict | None, digest: str
 
 def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size: int | None = None, *,
              progress: bool = True, writer_threads: int | None = None) -> dict:
-    """Dump aux/final hidden states of ``rows`` (default: ``recipe.rows_dir``) to ``recipe.dump_dir``.
+    """Dump aux/final hidden states of ``rows`` (default: ``RunDir(recipe).rows``) to ``RunDir(recipe).dump``.
 
     Returns the manifest (on every rank). Rerunning the same command resumes.
     ``writer_threads``: shards written concurrently while the next computes (default
@@ -329,9 +329,9 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
                 torch.cuda.set_device(device)
             target = load_target_for(recipe, device=str(device), require_chat_template=False)
         device = target.device
-        trows = TokenRows(rows if rows is not None else recipe.rows_dir)
+        trows = TokenRows(rows if rows is not None else RunDir(recipe).rows)
         layer_ids = target.aux_layer_ids(recipe.head.aux_layer_ids)
-        root = Path(recipe.dump_dir)
+        root = RunDir(recipe).dump
         return _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads)
     finally:
         dist.close()
@@ -398,7 +398,7 @@ def _open_store(root: Path, header: dict, dist: _Dist) -> dict | None:
     err = None
     if existing is not None:
         try:
-            check_compatible(existing, header, root)
+            check_store_compatible(existing, header, root)
         except DumpError as e:
             err = e
     errors = dist.all_gather(str(err) if err else None)
@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     m = run_dump(recipe)
     if int(os.environ.get("RANK", "0")) == 0:
         c = m["counts"]
-        print(f"dump complete: {recipe.dump_dir}: {c['shards']} shards, {c['rows']} rows, {c['tokens']} tokens, "
+        print(f"dump complete: {RunDir(recipe).dump}: {c['shards']} shards, {c['rows']} rows, {c['tokens']} tokens, "
               f"{c['bytes'] / 1e6:.1f} MB")
     return 0
 

@@ -14,7 +14,7 @@ from collections import Counter
 import torch
 
 from specheads.runtime.chat import render_prompt
-from specheads.runtime.generate import generate
+from specheads.runtime.engines.static import generate
 
 
 def greedy_lossless(plain, drafted, target, tokenizer) -> dict:

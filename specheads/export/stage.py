@@ -1,6 +1,6 @@
 """``specheads export``: trained head -> serving format, conversion, and checks.
 
-- :func:`run_export` (the stage): the head trained by a recipe (``recipe.train_dir``),
+- :func:`run_export` (the stage): the head trained by a recipe (``RunDir(recipe).train``),
   or read from a run / train / ``final/`` / checkpoint directory, written in
   ``recipe.export.format``; re-read the way vLLM/SGLang (and speculators) would,
   checked to give the trained head's outputs, with the README model card
@@ -23,13 +23,15 @@ from pathlib import Path
 import torch
 
 from specheads.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
+from specheads.formats import card
+from specheads.formats.common import DTYPES, ExportError, ExportMeta, read_json, read_side, tensor_shapes_dtypes
+from specheads.formats.convert import MODULES, detect_format, load_any, save
+from specheads.formats.trained import load_trained_head
 from specheads.heads.config import target_mismatches
+from specheads.rundir import RunDir
 from specheads.target import BUNDLED_HF_ID, TargetError, target_facts
 
-from . import card, validate
-from .common import DTYPES, ExportError, ExportMeta, read_json, read_side, tensor_shapes_dtypes
-from .convert import MODULES, detect_format, load_any, save
-from .trained import load_trained_head
+from . import validate
 
 FORMATS = tuple(MODULES)
 KIND_FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle",), "mtp": ("mtp",)}
@@ -177,7 +179,7 @@ def summary_lines(out: Path, rep, meta, fmt: str) -> list[str]:
         lines.append(f"SGLang: {ll['sglang']}")
     if fmt == "mtp":
         lines.append("MTP: serve with the target (stitch the layers into a native-MTP target checkpoint, "
-                     "specheads.export.mtp.stitch_into_target)")
+                     "specheads.formats.mtp.stitch_into_target)")
     return lines
 
 
@@ -223,11 +225,11 @@ def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
     Format, k, dtype and output directory come from ``recipe.export``; returns the output
     directory. ``trained`` = ``(head, meta_dict)`` when the caller already loaded it."""
     x = recipe.export
-    where = str(source or recipe.train_dir)
-    head, tmeta = trained if trained is not None else load_trained(source or recipe.train_dir)
+    where = str(source or RunDir(recipe).train)
+    head, tmeta = trained if trained is not None else load_trained(source or RunDir(recipe).train)
     fmt = _check_format(x.format, head.cfg.kind)
     dt = _dtype(x.dtype)
-    out = Path(recipe.export_dir)
+    out = RunDir(recipe).export
     check_head_vs_identity(head, tmeta, where)
     check_vocab_mapping(head, where)
     meta = build_meta(head, tmeta, x.k, tmeta.get("recipe") or recipe.to_dict())
@@ -242,7 +244,7 @@ def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
     rep = validate.check(out, target_vocab_size=head.cfg.target_vocab_size,
                          verifier=meta.verifier_name_or_path, reference_head=head, dtype=dt, raise_on_error=False,
                          atol=_atol(dt))
-    report = Path(recipe.eval_dir) / "report.json"
+    report = RunDir(recipe).eval / "report.json"
     card.write_card(out, meta, fmt=fmt, report_json=report if report.is_file() else None)
     if echo:
         for line in summary_lines(out, rep, meta, fmt):

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from ..heads import Eagle1Head, Eagle3Head, MTPHead
-from . import eagle as eagle_fmt
-from . import mtp as mtp_fmt
-from . import sglang as sglang_fmt
-from . import speculators as spec_fmt
-from ..layer_ids import hf_to_output_index, output_to_hf_index
-from .common import ExportError, read_json, tensor_shapes_dtypes
-from .convert import detect_format, load_any
+from specheads.formats import eagle as eagle_fmt
+from specheads.formats import mtp as mtp_fmt
+from specheads.formats import sglang as sglang_fmt
+from specheads.formats import speculators as spec_fmt
+from specheads.formats.common import ExportError, read_json, tensor_shapes_dtypes
+from specheads.formats.convert import detect_format, load_any
+from specheads.heads import Eagle1Head, Eagle3Head, MTPHead
+from specheads.layer_ids import hf_to_output_index, output_to_hf_index
 
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
              "BOOL": torch.bool}
@@ -129,7 +129,7 @@ def _check_vocab_map(rep, d: Path, found, cfg):
         rep.errors.append(f"{d}: missing tensor 'd2t' while draft_vocab_size {cfg.draft_vocab_size} < "
                           f"target vocab {cfg.target_vocab_size} (drafts would map to the wrong token ids)")
         return
-    from .common import load_tensors
+    from specheads.formats.common import load_tensors
     t = load_tensors(d)
     d2t = t.get("d2t")
     if d2t is None:
@@ -278,7 +278,7 @@ def _check_eagle(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
     if rep.errors:
         return None
     found = tensor_shapes_dtypes(d)
-    from .common import head_fields_from_layer_config
+    from specheads.formats.common import head_fields_from_layer_config
     from ..heads import HeadConfig
     kw = head_fields_from_layer_config(c, where)
     kw.update(kind="eagle1", num_layers=int(c.get("num_hidden_layers", 1)),
@@ -292,7 +292,7 @@ def _check_eagle(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
     _compare_tensors(rep, str(d), found, expected, set(expected) - {"embed_tokens.weight"},
                      {"embed_tokens.weight"}, "no EAGLE-1 reader has this parameter", dtype)
     if "fc.bias" in found and "vllm" in rep.readers:
-        from .common import load_tensors
+        from specheads.formats.common import load_tensors
         if bool(load_tensors(d)["fc.bias"].float().abs().max() > 0):
             rep.errors.append(f"{d}: non-zero 'fc.bias': vLLM v1 llama_eagle builds fc without bias and drops it "
                               "(validate with readers=('sglang',) or train with head.fc_bias=false)")

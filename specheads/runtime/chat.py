@@ -21,7 +21,8 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from .generate import Request, generate, generate_flows
+from .engines.continuous import Request, generate_flows
+from .engines.static import generate
 from .metrics import StepRecord
 
 

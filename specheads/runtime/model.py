@@ -12,7 +12,7 @@ when omitted; an ancestor mask for a token tree). The forward never changes
 (``set_lengths``) and, after tree verification, moves the accepted path into place
 (``compact``).
 
-Decode cost (issue 14): at batch 1 a step is bound by kernel launches, not by the
+Decode cost: at batch 1 a step is bound by kernel launches, not by the
 weights, so the layer is written for few kernels: one fused RMSNorm, RoPE on q and k
 together from tables cast to the model dtype once (``x*cos + roll(x)*sin±``, equal to
 HF's ``rotate_half`` form), the attention mask built once per forward as an additive
@@ -476,8 +476,8 @@ class TargetModel(nn.Module):
 
         ``inputs=False`` / ``bookkeeping=False`` leave the forward's inputs / a step's bookkeeping
         eager (the layers alone compiled, as before 2026-12-01 noon): on the H200 the engine with both
-        compiled made drafted steps faster at batch 1 and slower at batch 8 and 48 (BENCHMARKS.md,
-        fourth sitting), and ``bench_runtime.py --engines compiled,compiled_layers`` tells the two apart."""
+        compiled made drafted steps faster at batch 1 and slower at batch 8 and 48 (BENCHMARKS.md),
+        and ``bench_runtime.py --engines compiled,compiled_layers`` tells the two apart."""
         compile_kwargs.setdefault("dynamic", True)
         allow_recompiles()
         for layer in self.layers:

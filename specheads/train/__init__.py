@@ -5,11 +5,11 @@ Public API::
     run_train(recipe, target=None, feed=None, eval_feed=None, *, vocab=None) -> dict
     build_head(recipe, target, vocab=None) -> BuiltHead
 
-The trained head is read back with ``specheads.export.trained.load_trained_head``.
+A checkpoint that another recipe wrote is refused with ``specheads.rundir.ResumeMismatchError``.
+The trained head is read back with ``specheads.formats.trained.load_trained_head``.
 """
 from .builder import BuiltHead, HeadShapeError, build_head
-from .checkpoint import ResumeMismatchError
-from .loop import BatchError, TrainingDivergedError, run_train
+from .loop import run_train
+from .step import BatchError, TrainingDivergedError
 
-__all__ = ["run_train", "build_head", "BuiltHead", "HeadShapeError", "ResumeMismatchError",
-           "TrainingDivergedError", "BatchError"]
+__all__ = ["run_train", "build_head", "BuiltHead", "HeadShapeError", "TrainingDivergedError", "BatchError"]

@@ -5,7 +5,7 @@
 * ``HeadConfig.from_target_config`` (one decoder layer shaped like the
   target's), EAGLE-3 aux layer ids from the recipe or the target's default
   (``Target.aux_layer_ids``; EAGLE-1 and MTP read no aux states);
-* draft vocabulary from the vocab stage (``recipe.vocab_dir``) for EAGLE-3
+* draft vocabulary from the vocab stage (``RunDir(recipe).vocab``) for EAGLE-3
   when ``vocab.draft_vocab_size`` is smaller than the target vocab
   (EAGLE-1 and MTP share the target's lm_head: full vocabulary);
 * frozen target embedding; ``lm_head`` rows from the target's lm_head at the
@@ -26,10 +26,11 @@ from torch import nn
 
 from specheads.data.vocab import load_vocab
 from specheads.errors import SpecheadsError
-from specheads.export.convert import load_any
-from specheads.export.trained import inject_lora
+from specheads.formats.convert import load_any
+from specheads.heads.lora import inject_lora
 from specheads.heads import HEAD_CLASSES, HeadConfig
 from specheads.heads.config import target_mismatches
+from specheads.rundir import RunDir
 
 log = logging.getLogger("specheads.train")
 
@@ -69,7 +70,7 @@ def resolve_vocab(recipe, target, vocab=None):
     if vocab is None:
         if want is None or want >= Vt:
             return None, None, {"draft_vocab_size": Vt, "target_vocab_size": Vt, "identity": True}
-        vdir = recipe.vocab_dir
+        vdir = RunDir(recipe).vocab
         if not (vdir / "vocab.safetensors").is_file() and not vdir.is_dir():
             raise HeadShapeError(
                 f"vocab.draft_vocab_size={want} < target vocab {Vt} but no draft vocabulary at {vdir}: "
@@ -86,7 +87,7 @@ def resolve_vocab(recipe, target, vocab=None):
             f"{target.name} has {Vt}: rebuild it with `specheads vocab`")
     if want is not None and d2t.numel() != want and want < Vt:
         raise HeadShapeError(
-            f"vocab.draft_vocab_size={want} but the vocabulary at {recipe.vocab_dir} has {d2t.numel()} "
+            f"vocab.draft_vocab_size={want} but the vocabulary at {RunDir(recipe).vocab} has {d2t.numel()} "
             f"tokens: rebuild it or set vocab.draft_vocab_size={d2t.numel()}")
     ids = torch.arange(d2t.numel()) + d2t
     if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= Vt):
@@ -141,7 +142,7 @@ def _warm_start(recipe, target, cfg, d2t):
     if diffs:
         raise HeadShapeError(f"{where} does not match the recipe's head: " + "; ".join(diffs))
     if d2t is not None and hasattr(head, "d2t") and not torch.equal(head.d2t.cpu(), d2t.cpu()):
-        raise HeadShapeError(f"{where} uses a different draft vocabulary (d2t) than {recipe.vocab_dir}")
+        raise HeadShapeError(f"{where} uses a different draft vocabulary (d2t) than {RunDir(recipe).vocab}")
     tid = (meta or {}).get("target", {}) if isinstance(meta, dict) else {}
     if isinstance(tid, dict) and tid.get("config_hash") and tid["config_hash"] != target.config_hash:
         log.warning("%s was trained for target %s (%s), training for %s (%s)", where, tid.get("name"),

@@ -1,7 +1,7 @@
 """Checkpoints (exact resume) and the ``final/`` head directory the export stage reads.
 
 The layout (names and the reader, ``load_trained_head``) is defined in
-:mod:`specheads.export.trained`; this module writes it:
+:mod:`specheads.formats.trained`; this module writes it:
 ``checkpoints/step_N/`` (DeepSpeed states + ``client_state.json`` +
 ``rank_{r}.pt`` + ``head_config.json``/``meta.json``), ``checkpoints/latest``
 and ``final/`` (``model.safetensors``, ``head_config.json``, ``meta.json``).
@@ -30,7 +30,8 @@ feed continues at the same global batch (``Feed.load_state_dict`` maps
 A checkpoint is written only from a finite state: the trainer checks the
 loss before every backward and the gradient norm after every step, and
 stops without saving when either is NaN/inf, so ``latest`` always names the
-last good state.
+last good state. What a checkpoint must share with the run resuming it (the
+fingerprint, the client state's fields) is :mod:`specheads.rundir`'s.
 """
 from __future__ import annotations
 
@@ -45,83 +46,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specheads.errors import SpecheadsError
-from specheads.export.trained import CKPT, CLIENT, FINAL, HEAD_CONFIG, LATEST, META, WEIGHTS
+from specheads.formats.trained import CKPT, CLIENT, FINAL, HEAD_CONFIG, LATEST, META, WEIGHTS
 from specheads.fileio import write_json_atomic
-
-
-class ResumeMismatchError(SpecheadsError, ValueError):
-    pass
-
-
-# ---------------------------------------------------------------- fingerprint
-# Recipe fields that change what (or how) a run trains: a checkpoint resumes only when they agree.
-RESUME_FIELDS = [
-    "seed",
-    "head",
-    "train.ttt_steps", "train.loss_decay", "train.eagle1_ce_weight", "train.epochs", "train.max_steps",
-    "train.micro_batch_size", "train.grad_accum", "train.max_tokens_per_batch", "train.data_fraction", "train.lr",
-    "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay", "train.betas", "train.grad_clip",
-    "train.scheduler", "train.zero_stage", "train.precision",
-    "vocab.draft_vocab_size",
-    "data.max_length",
-]
-
-
-def _flatten(d, prefix=""):
-    out = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-        out[prefix[:-1]] = d
-    return out
-
-
-def resume_fingerprint(recipe, target_identity: dict, d2t: torch.Tensor | None, world_size: int,
-                       precision: str) -> dict:
-    """Flat {dotted key: value} of everything a resumed run must share with its checkpoint."""
-    import hashlib
-
-    rd = recipe.to_dict()
-    fp = {}
-    for f in RESUME_FIELDS:
-        node = rd
-        for part in f.split("."):
-            node = node[part]
-        fp.update(_flatten(node, f + ".") if isinstance(node, dict) else {f: node})
-    fp["target.config_hash"] = target_identity.get("config_hash")
-    fp["vocab.d2t_sha256"] = (hashlib.sha256(d2t.cpu().numpy().tobytes()).hexdigest()[:16]
-                              if d2t is not None else None)
-    fp["world_size"] = int(world_size)
-    fp["effective_precision"] = precision
-    return json.loads(json.dumps(fp))  # lists/tuples normalised as JSON would
-
-
-# How the global batch is split: each may change on resume as long as their product does not.
-BATCH_SPLIT = ("world_size", "train.grad_accum")
-
-
-def compare_fingerprints(saved: dict, current: dict, where: str) -> None:
-    keys = sorted((set(saved) | set(current)) - set(BATCH_SPLIT))
-    diffs = [f"  {k}: {saved.get(k, '<absent>')!r} (checkpoint) != {current.get(k, '<absent>')!r} (this run)"
-             for k in keys if saved.get(k) != current.get(k)]
-    hint = ""
-    sw, sa = int(saved["world_size"]), int(saved["train.grad_accum"])
-    cw, ca = int(current["world_size"]), int(current["train.grad_accum"])
-    if sw * sa != cw * ca:
-        diffs.append(f"  ranks × train.grad_accum: {sw} × {sa} = {sw * sa} (checkpoint) != "
-                     f"{cw} × {ca} = {cw * ca} (this run)")
-        hint = ("\nThe global batch (ranks × train.grad_accum × train.micro_batch_size) must stay the same for the "
-                "run to continue its loss curve: ")
-        hint += (f"on {cw} rank(s) pass train.grad_accum={sw * sa // cw}." if (sw * sa) % cw == 0 else
-                 f"no whole train.grad_accum gives {sw * sa} on {cw} rank(s); resume on a number of ranks "
-                 f"that divides {sw * sa}.")
-    if diffs:
-        raise ResumeMismatchError(
-            f"cannot resume from {where}: it was written by a different recipe/target/vocab; "
-            f"these fields differ:\n" + "\n".join(diffs) + hint +
-            "\nSet train.resume=false (or use another run_dir) to start a new run, or restore the recipe.")
+from specheads.rundir import ResumeMismatchError, client_world_size
 
 
 # ---------------------------------------------------------------- RNG
@@ -185,8 +112,7 @@ def read_client_state(tag_dir: Path) -> dict:
 
 def saved_world_size(tag_dir: Path) -> int:
     """The number of ranks that wrote a checkpoint."""
-    client = read_client_state(tag_dir)
-    return int(client.get("world_size", client["fingerprint"]["world_size"]))
+    return client_world_size(read_client_state(tag_dir))
 
 
 def needs_universal(tag_dir: Path | None, world_size: int, zero_stage: int) -> bool:

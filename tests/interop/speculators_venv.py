@@ -1,7 +1,7 @@
 """Create (once) the isolated virtual environment holding the real ``speculators`` 0.9.0.
 
 The package pins its own torch/transformers, so it never shares the project's
-venv (DESIGN.md, "Known readers"): torch==2.13.0 first, then speculators with
+venv (docs/conventions.md, "Known readers"): torch==2.13.0 first, then speculators with
 torch kept as a constraint, then torchvision and torchaudio removed (speculators
 never imports them and their mismatched builds break its import).
 

