@@ -10,7 +10,7 @@ Drafters: ``plain`` (no drafting), ``ngram`` (the device proposer on CUDA, the h
 on a CPU), ``head`` (``--head DIR``: an exported head, any format) and ``hybrid`` (head +
 n-gram, ``--min-match``). Greedy, a fixed number of new tokens (no early stop), the same
 prompts for every drafter; each run is done once untimed (captures the CUDA graphs of every
-shape it meets) and then timed. Per batch and drafter: τ (tokens per target forward, DESIGN.md),
+shape it meets) and then timed. Per batch and drafter: τ (tokens per target forward, docs/conventions.md),
 tokens/s, speedup (tokens/s ÷ plain tokens/s at the same batch) and speedup ÷ τ (1.0 = drafting
 is free). ``--engines eager,compiled`` times every row on both engines in one run; the last
 column is tokens/s over the first engine's plain decoding. Plain decoding is timed once more after the drafted

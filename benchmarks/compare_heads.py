@@ -2,9 +2,9 @@
 
     python benchmarks/compare_heads.py RUN/train/final RUN/train/checkpoints/step_N [--export DIR] --out X.json
 
-The first two are read with ``export.trained.load_trained_head`` (``final/`` holds the head the
+The first two are read with ``formats.trained.load_trained_head`` (``final/`` holds the head the
 trainer gathered from its ZeRO shards; a checkpoint is re-assembled from the DeepSpeed states by
-DeepSpeed's own ``zero_to_fp32``), ``--export`` with ``export.convert.load_any``. Under ZeRO-3 no
+DeepSpeed's own ``zero_to_fp32``), ``--export`` with ``formats.convert.load_any``. Under ZeRO-3 no
 rank holds the whole head, so equal logits show the gathering was complete and in order.
 """
 from __future__ import annotations

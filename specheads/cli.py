@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, help="= eval.limit")
     p.add_argument("--max-new-tokens", type=int, help="= eval.max_new_tokens")
     p.add_argument("--out", help="report directory (= eval.out; default: {run_dir}/eval)")
+    p.add_argument("--update-card", action="store_true", default=None,
+                   help="write the measured acceptance into the README.md model card of each evaluated specheads "
+                   "export (without it, eval leaves the head directories untouched; = eval.update_card)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the plan; load nothing")
     _document_defaults(p, EVAL_FLAGS, EVAL_STANDALONE)
     return ap
@@ -146,7 +149,7 @@ EVAL_FLAGS = {"target": "target.source", "head": "eval.head", "prompts": "eval.p
               "tree": "eval.tree", "temperature": "eval.temperature", "rule": "eval.rule", "compare": "eval.compare",
               "engine": "eval.engine", "thresholds": "eval.thresholds", "chi_square_draws": "eval.chi_square_draws",
               "batch_size": "eval.batch_size", "limit": "eval.limit", "max_new_tokens": "eval.max_new_tokens",
-              "out": "eval.out"}
+              "out": "eval.out", "update_card": "eval.update_card"}
 
 
 def eval_recipe(args) -> Recipe:
@@ -331,12 +334,14 @@ def _dispatch(args) -> int:
     if cmd == "eval":
         recipe = eval_recipe(args)
         if args.dry_run:
-            from specheads.evaluate.inputs import input_problems
+            from specheads.rundir import is_run_dir
 
-            # heads may come from the export stage later in the same plan; the target and prompts are inputs
-            problems = input_problems(recipe, [], heads_may_be_missing=True)
-            if problems:
-                raise UsageError("eval cannot start:\n  " + "\n  ".join(problems))
+            # a plan may name heads, prompts and a GGUF that later stages or another machine provide;
+            # a run directory given as the target is a mistake on any machine
+            if is_run_dir(recipe.target.source):
+                raise UsageError(f"target.source: {recipe.target.source} is not a model directory (no config.json); "
+                                 "it looks like a specheads run directory: give the target model its head was "
+                                 "trained for (the run's recipe names it in target.source)")
             _print_plan(recipe, "eval", _plan(recipe, "eval"))
             return 0
         stage_entry("eval")(recipe)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -27,7 +27,12 @@ class RecipeError(SpecheadsError, ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float of a recipe is finite (a NaN epoch count or an infinite learning rate is
+    # refused on load, naming the key, instead of failing after the target has loaded)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+# Every count, size and rate below carries its bound (Field ge/gt/le): a recipe out of bounds is refused on load,
+# before anything loads, as a RecipeError naming the key and the bound ("Input should be greater than 0").
 
 
 class TargetConfig(_Section):
@@ -41,22 +46,22 @@ class TargetConfig(_Section):
 class DataSource(_Section):
     path: str  # file path, or 'builtin:demo_prompts'
     format: Literal["auto", "sharegpt", "openai", "alpaca", "prompts"] = "auto"
-    limit: int | None = None
+    limit: int | None = Field(None, ge=1)  # the source's first N conversations; null = all
 
 
 class RegenerateConfig(_Section):
     # When enabled, `data regenerate` answers the sources' prompts with the target and
     # `data prepare` trains on those answers instead of the sources' own.
     enabled: bool = False
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    batch_size: int = 16
-    max_prompt_tokens: int = 1024
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0: off
+    batch_size: int = Field(16, ge=1)
+    max_prompt_tokens: int = Field(1024, ge=1)
     out: str | None = None  # default: {run_dir}/data/regenerated.jsonl
     head: str | None = None  # optional draft head to speed up generation
-    k: int = 3
+    k: int = Field(3, ge=1, le=16)  # draft length with head (the range of eval.k and export.k)
     compile: bool = False  # torch.compile the engine (and the head's step); slower on the H200 (BENCHMARKS.md)
     refill_at: int = Field(1, ge=1)  # continuous batching: free slots gathered before one prefill refills them
     # the engine's dtype (None: target.dtype): bf16 answers under an fp32 target (kept in fp32 for the eval's
@@ -110,10 +115,17 @@ class SynthesizeConfig(_Section):
     dtype: Literal["bfloat16", "float32"] | None = None
     out: str | None = None  # default: {run_dir}/data/synthesized.jsonl
 
+    @model_validator(mode="after")
+    def _chars_window(self):
+        if self.max_chars < self.min_chars:
+            raise ValueError(f"data.synthesize.max_chars ({self.max_chars}) must be >= data.synthesize.min_chars "
+                             f"({self.min_chars}): no user turn could be kept")
+        return self
+
 
 class DataConfig(_Section):
     sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:demo_prompts")])
-    max_length: int = 1024
+    max_length: int = Field(1024, ge=1)  # tokens per row
     holdout_fraction: float = Field(0.05, ge=0.0, lt=1.0)  # prompts never trained on, for eval
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
@@ -121,7 +133,7 @@ class DataConfig(_Section):
 
 
 class VocabConfig(_Section):
-    draft_vocab_size: int | None = 32000  # None = the full target vocabulary
+    draft_vocab_size: int | None = Field(32000, ge=1)  # None = the full target vocabulary
     out: str | None = None  # default: {run_dir}/vocab
 
 
@@ -129,8 +141,8 @@ class DumpConfig(_Section):
     mode: Literal["offline", "online"] = "offline"
     dtype: Literal["bfloat16", "float32", "fp8"] = "bfloat16"
     dir: str | None = None  # default: {run_dir}/dump
-    batch_tokens: int = 16384  # tokens per target forward (rows are length-sorted)
-    shard_tokens: int = 262144  # tokens per shard file
+    batch_tokens: int = Field(16384, ge=1)  # tokens per target forward (rows are length-sorted)
+    shard_tokens: int = Field(262144, ge=1)  # tokens per shard file
     # the target's matmuls while it computes the states, offline and online (autocast; None: target.dtype). An
     # fp32 target's forward ran at 70-91k tok/s on an H100 (GEMMs without tensor cores), the dump's and online
     # training's bound (2026-12-06). bf16 states differ from fp32 ones by less than fp8 storage rounds them, and
@@ -141,23 +153,23 @@ class DumpConfig(_Section):
 
 class LoraConfig(_Section):
     enabled: bool = False
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
 class HeadSection(_Section):
     kind: Literal["eagle3", "eagle1", "mtp"] = "eagle3"
-    aux_layer_ids: list[int] | None = None  # HF hidden-state index; default [2, L//2, L-3]
-    num_layers: int = 1
-    num_mtp_depths: int = 1
-    mtp_loss_weights: list[float] | None = None
+    aux_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # HF hidden-state index; default [2, L//2, L-3]
+    num_layers: int = Field(1, ge=1)
+    num_mtp_depths: int = Field(1, ge=1)
+    mtp_loss_weights: list[Annotated[float, Field(ge=0.0)]] | None = None
     norm_before_residual: bool = False
     # EAGLE-1's fc bias: null = the original EAGLE layout (with bias); false for a head vLLM serves (vLLM v1's
     # llama_eagle builds fc without bias, and export refuses a non-zero one). EAGLE-3 heads have none.
     fc_bias: bool | None = None
-    intermediate_size: int | None = None  # default: the target's
+    intermediate_size: int | None = Field(None, ge=1)  # default: the target's
     init_lm_head_from_target: bool = True  # copy target lm_head rows at the draft vocab
     warm_start: str | None = None  # an exported head directory (any supported format)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -166,41 +178,44 @@ class HeadSection(_Section):
 class LoggingConfig(_Section):
     wandb: Literal["offline", "online", "disabled"] = "offline"
     project: str = "specheads"
-    every: int = 1
+    every: int = Field(1, ge=1)  # log every N optimizer steps (and the last)
 
 
 class TrainConfig(_Section):
     ttt_steps: int = Field(7, ge=1)
-    loss_decay: float = 0.8
-    eagle1_ce_weight: float = 0.1
-    epochs: float = 1.0
-    max_steps: int | None = None
-    micro_batch_size: int = 1
-    grad_accum: int = 1
+    loss_decay: float = Field(0.8, gt=0.0, le=1.0)  # weight of TTT step k: loss_decay^k
+    eagle1_ce_weight: float = Field(0.1, ge=0.0)
+    epochs: float = Field(1.0, gt=0.0)  # passes over the train rows (fractional: a part of one)
+    max_steps: int | None = Field(None, ge=1)  # optimizer steps; wins over epochs
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
     max_tokens_per_batch: int | None = Field(None, ge=1)  # micro-batch = rows up to this many padded tokens
     # with max_tokens_per_batch: a micro-batch's length is rounded up to the smallest of these and its rows
     # to max_tokens_per_batch // that length (filler rows count for nothing), so the head sees one shape
     # per bucket and train.compile compiles each once instead of tracing a shape that changes every step
-    length_buckets: list[int] | None = None
+    length_buckets: list[int] | None = None  # checked below: positive, increasing, within max_tokens_per_batch
     data_fraction: float = Field(1.0, gt=0.0, le=1.0)  # train on a fixed, nested subset of the train rows
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 0.5
+    lr: float = Field(1e-4, gt=0.0)  # peak learning rate
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)  # the schedule's floor, a fraction of lr
+    warmup_steps: int = Field(50, ge=0)  # 0: no warmup
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.95)
+    grad_clip: float = Field(0.5, ge=0.0)  # 0: no clipping
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     zero_stage: int = Field(0, ge=0, le=3)
     precision: Literal["bf16", "fp32"] = "bf16"
-    save_every: int = 500
-    eval_every: int = 200
+    save_every: int = Field(500, ge=0)  # optimizer steps between checkpoints; 0: only the final one
+    eval_every: int = Field(200, ge=0)  # optimizer steps between held-out evaluations; 0: no held-out eval
     eval_fraction: float = Field(0.02, ge=0.0, lt=1.0)
     resume: bool = False
+    # a run that does not resume refuses a train dir holding another run's checkpoints or final/;
+    # overwrite: true removes them (and its metrics, plots) before the new run writes anything
+    overwrite: bool = False
     loss_kernel: Literal["auto", "triton", "torch"] = "auto"
     # torch.compile the head's forward (TTT unroll / EAGLE-1 step / MTP depths): fuses its small
     # kernels; the first batches of new shapes compile. Not with ZeRO-3 (its parameter hooks).
     compile: bool = False
-    num_workers: int = 0
+    num_workers: int = Field(0, ge=0)
     # [first, last]: torch.profiler over these optimizer steps; the table (by device time) goes to
     # {train.out}/profile.txt. Where a step's time goes, on the real feed, not a synthetic benchmark
     profile_steps: tuple[int, int] | None = None
@@ -251,24 +266,27 @@ class EvalConfig(_Section):
     # head, k and rule take one value or a list: every combination becomes a run of the report
     prompts: str = "builtin:demo_prompts"  # or a file; held-out rows when 'holdout'
     split: Literal["all", "holdout"] = "holdout"
-    limit: int | None = 24
+    limit: int | None = Field(24, ge=1)  # the first N prompts; null = all
     head: str | list[str] | None = None  # default: the recipe's export; [] = weightless drafters only
     k: int | list[int] = 3
     tree: str | None = None  # "depth,topk,tokens"
     rule: Rule | list[Rule] = "greedy"
     temperature: float = Field(0.0, ge=0.0)
-    top_k: int = 0
-    top_p: float = 1.0
+    top_k: int = Field(0, ge=0)  # 0: off
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     thresholds: str | None = None  # "single,acc": also run tree_target_only with these relaxed thresholds
-    max_new_tokens: int = 128
-    batch_size: int = 1
+    max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(1, ge=1)
     # ngram: the weightless drafter; hybrid: each head with n-gram drafts where the match is long
     # hybrid_fixed: the same hybrid without its per-row score (the n-gram whenever its match is long)
     compare: list[Literal["ngram", "hybrid", "hybrid_fixed"]] = Field(default_factory=lambda: ["ngram"])
     hybrid_min_match: int = Field(3, ge=1)  # shortest n-gram match that wins over the head
-    chi_square_draws: int = 0
+    chi_square_draws: int = Field(0, ge=0)  # 0: no χ² check
     engine: Literal["specheads", "vllm"] = "specheads"  # vllm: the same prompts in real vLLM, side by side
     compile: bool = False  # torch.compile the engine's layers and the head's step (faster decode; compiles first)
+    # write the measured acceptance into the README.md model card of each evaluated specheads export; off by
+    # default: evaluating a head leaves its directory byte-identical
+    update_card: bool = False
     out: str | None = None  # default: {run_dir}/eval
 
     @field_validator("k")
@@ -296,6 +314,8 @@ class EvalConfig(_Section):
                 a, b = (float(x) for x in v.split(","))
             except ValueError:
                 raise ValueError(f"thresholds {v!r}: expected single,acc (e.g. 0.05,0.5)") from None
+            if not (0.0 <= a <= 1.0 and 0.0 <= b <= 1.0):  # also refuses nan
+                raise ValueError(f"thresholds {v!r}: single and acc are probabilities, each in [0, 1]")
         return v
 
     def as_list(self, field: str) -> list:
@@ -306,7 +326,7 @@ class EvalConfig(_Section):
 class Recipe(_Section):
     name: str = "run"
     run_dir: str = "runs/run"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy's seed range
     target: TargetConfig = Field(default_factory=TargetConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)

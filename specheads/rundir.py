@@ -15,6 +15,8 @@ One module for every fact about a run directory, in four parts:
 * **compatibility**: :func:`check_store_identity`, :func:`check_store_compatible`,
   :func:`check_online_target`: whether a hidden-state store or token rows were made for this
   run's target and layers (:class:`DumpMismatchError`).
+* **ownership**: :func:`output_lock`, :func:`stage_lock`: one writer per stage output at a time
+  (:class:`RunLockedError` names the other one).
 
 ``config`` is the schema (typed fields, loading, overrides); this module reads recipes and imports
 nothing of specheads but ``config`` and ``errors``: every stage depends on it, it on no stage.
@@ -22,8 +24,20 @@ nothing of specheads but ``config`` and ``errors``: every stage depends on it, i
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import errno
+import fcntl
+import functools
+import getpass
 import hashlib
+import inspect
 import json
+import os
+import shlex
+import socket
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +45,11 @@ from specheads.config import Recipe
 from specheads.errors import DumpError, SpecheadsError
 
 __all__ = [
-    "BATCH_SPLIT", "DumpMismatchError", "RESUME_FIELDS", "ResumeMismatchError", "RunDir", "StaleInputError",
-    "check_online_target", "check_stage_inputs", "check_store_compatible", "check_store_identity", "client_state",
-    "client_world_size", "compare_fingerprints", "describe_target", "recipe_hash", "resume_fingerprint",
-    "stage_input_diff", "stage_inputs",
+    "BATCH_SPLIT", "DumpMismatchError", "LOCK_SUFFIX", "RESUME_FIELDS", "ResumeMismatchError", "RunDir",
+    "RunLockedError", "STAGE_OUTPUTS", "StaleInputError", "check_online_target", "check_stage_inputs",
+    "check_store_compatible", "check_store_identity", "client_state", "client_world_size", "compare_fingerprints",
+    "describe_target", "lock_path", "output_lock", "read_lock", "recipe_hash", "resume_fingerprint",
+    "stage_input_diff", "stage_inputs", "stage_lock", "stage_output",
 ]
 
 
@@ -101,6 +116,14 @@ class RunDir:
         """Reports and plots (``eval``): ``eval.out``, else ``{run_dir}/eval``."""
         r = self.recipe.eval.out
         return Path(r) if r else self.path("eval")
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A directory laid out as a run (a stage's output folder in it) rather than a model (no config.json):
+    the mistake of giving a run where a target model is asked for."""
+    p = Path(path)
+    return (p.is_dir() and not (p / "config.json").is_file()
+            and any((p / d).is_dir() for d in ("train", "export", "dump", "data", "vocab", "eval")))
 
 
 # ================================================================ recorded inputs
@@ -325,3 +348,305 @@ def check_online_target(rows_target: dict | None, target, rows_dir) -> None:
             + ", ".join(f"{k}={rows_target[k]!r}" for k in diff) + ", but the target given has "
             + ", ".join(f"{k}={have.get(k)!r}" for k in diff)
             + ": train with the recipe's target (target.source, target.adapter) or rerun `specheads data prepare`")
+
+
+# ================================================================ ownership
+#
+# One writer per stage output. A stage holds an exclusive lock on what it writes for as long as it runs:
+# the lock file is ``.{name}.specheads.lock`` *beside* the output (``run/.train.specheads.lock`` for
+# ``run/train``, ``run/export/.speculators.specheads.lock`` for ``run/export/speculators``, ...), not inside
+# it, so that a stage may delete or replace its whole output (export publishes a new directory with a rename)
+# without losing its lock. Locking each output, not the run directory, lets independent stages of one run dir
+# proceed together (eval while an export runs, export of a checkpoint while training goes on), while two
+# writers of the same output never do: two ``specheads train`` on one run dir, or an export writing into the
+# ``eval.out`` of a running eval, are refused at once.
+#
+# The lock file is created atomically (O_CREAT|O_EXCL) and flock()ed by its holder; it holds JSON naming the
+# holder (pid, host, command line, start time). The flock is the proof of life: the kernel drops it when the
+# holder dies, however it dies, so a lock whose flock is free on this host is stale even if its pid has been
+# reused, and one that is flocked is live and never stolen. A lock written on another host cannot be checked
+# from here (its pid means nothing here; flock over network filesystems is not to be trusted): it is reported,
+# with how to remove it, never taken. In a multi-rank job (torchrun: RANK, WORLD_SIZE) rank 0 holds the lock
+# for the whole job; the other ranks take none.
+
+LOCK_SUFFIX = ".specheads.lock"
+
+# stage -> the RunDir property of the output it writes
+STAGE_OUTPUTS = {"synthesize": "synthesized", "regenerate": "regenerated", "prepare": "rows", "vocab": "vocab",
+                 "dump": "dump", "train": "train", "export": "export", "eval": "eval"}
+
+
+class RunLockedError(SpecheadsError, RuntimeError):
+    """Another process is writing the same stage output (or left a lock that cannot be proven stale)."""
+
+
+def stage_output(recipe: Recipe, stage: str) -> Path:
+    """The file or directory ``stage`` writes for ``recipe`` (what its lock guards)."""
+    try:
+        return getattr(RunDir(recipe), STAGE_OUTPUTS[stage])
+    except KeyError:
+        raise ValueError(f"no output recorded for stage {stage!r}") from None
+
+
+def lock_path(output: str | Path) -> Path:
+    """Where the lock of ``output`` lives: ``.{name}.specheads.lock`` in the same directory."""
+    output = Path(os.path.abspath(output))
+    return output.parent / f".{output.name}{LOCK_SUFFIX}"
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of ``pid`` in clock ticks since boot (Linux), to tell a reused pid; None elsewhere."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rindex(")") + 2:].split()[19]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+def _holder_info(stage: str, output: Path) -> dict:
+    try:
+        user = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no passwd entry in some containers
+        user = None
+    argv = list(sys.argv) or [sys.executable]
+    if argv[0] in ("-c", "-m", ""):
+        argv.insert(0, sys.executable)
+    return {"pid": os.getpid(), "host": socket.gethostname(), "command": shlex.join(argv),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "stage": stage,
+            "output": str(output), "user": user, "pid_start": _process_start(os.getpid()),
+            "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+
+
+def _read_fd(fd: int) -> dict | None:
+    try:
+        raw = os.pread(fd, 1 << 16, 0)
+        info = json.loads(raw.decode())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) and "pid" in info else None
+
+
+def read_lock(output: str | Path) -> dict | None:
+    """The holder recorded in ``output``'s lock file (None when there is none, or it is unreadable)."""
+    try:
+        fd = os.open(lock_path(output), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return _read_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_holder(info: dict | None) -> str:
+    if not info:
+        return "an unknown process (the lock file holds no readable holder)"
+    return (f"pid {info.get('pid')} on host {info.get('host')} (command: {info.get('command')}; "
+            f"started {info.get('started')}; stage {info.get('stage')})")
+
+
+def _flock(fd: int, wait: float) -> bool:
+    """Take the exclusive flock of ``fd``, polling up to ``wait`` seconds; False when another holds it."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not unlinked or replaced by its releaser)."""
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _make_parents(d: Path) -> list[Path]:
+    """mkdir -p ``d``; the directories it created, deepest first (removed again when left empty)."""
+    made, p = [], d
+    while not p.exists() and p != p.parent:
+        made.append(p)
+        p = p.parent
+    d.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+_YOUNG_S = 2.0  # a lock file without a holder yet, younger than this, is being created: wait for it
+
+
+class _Lock:
+    def __init__(self, output: Path, stage: str):
+        self.output, self.stage = Path(output), stage
+        self.path = lock_path(output)
+        self.fd: int | None = None
+        self.made: list[Path] = []
+
+    def _refuse(self, info: dict | None) -> RunLockedError:
+        return RunLockedError(
+            f"{self.output} is being written by another specheads process: {describe_holder(info)} "
+            f"(lock {self.path}). Wait for it to finish, or write elsewhere (another run_dir or output key)")
+
+    def _stale_verdict(self, info: dict | None, fd: int) -> str:
+        """For a lock file whose flock we just got: "young" (its creator is still writing it) or the
+        message to print on taking it over; RunLockedError when it may belong to a live process."""
+        if info is None:
+            try:
+                age = time.time() - os.fstat(fd).st_mtime
+            except OSError:
+                age = 0.0
+            if age < _YOUNG_S:
+                return "young"
+            return (f"specheads: taking over the lock {self.path}: it names no holder (left by a process killed "
+                    "while taking it)")
+        host = socket.gethostname()
+        if info.get("host") != host:
+            raise RunLockedError(
+                f"{self.output} is locked by {describe_holder(info)}, on another host than this one ({host}): "
+                f"whether that process still runs cannot be checked from here. If you know it is no longer "
+                f"running, remove {self.path} and rerun")
+        try:
+            pid = int(info.get("pid"))
+        except (TypeError, ValueError):
+            pid = -1
+        if _pid_alive(pid) and info.get("pid_start") is not None and _process_start(pid) == info.get("pid_start"):
+            # the very process that took it is alive yet holds no flock: never steal from a live holder
+            raise self._refuse(info)
+        why = ("that process is no longer running" if not _pid_alive(pid) else
+               f"pid {pid} is now another process")
+        return f"specheads: taking over the stale lock {self.path} of {describe_holder(info)}: {why}"
+
+    def acquire(self) -> None:
+        self.made = _make_parents(self.path.parent)
+        waited_until = time.monotonic() + _YOUNG_S + 1.0
+        try:
+            while True:
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                    created = True
+                except FileExistsError:
+                    try:
+                        fd = os.open(self.path, os.O_RDWR)
+                    except FileNotFoundError:  # released meanwhile: try to create it again
+                        continue
+                    created = False
+                try:
+                    if not _flock(fd, _YOUNG_S if created else 0.0):
+                        info = _read_fd(fd)
+                        if info is None and time.monotonic() < waited_until:
+                            os.close(fd)  # its holder has not written itself in yet: read it again
+                            time.sleep(0.05)
+                            continue
+                        raise self._refuse(info)
+                    if not _same_file(self.path, fd):  # its holder released (unlinked) it before our flock
+                        os.close(fd)
+                        continue
+                    if not created:
+                        verdict = self._stale_verdict(_read_fd(fd), fd)
+                        if verdict == "young":
+                            os.close(fd)
+                            time.sleep(0.05)
+                            continue
+                        print(verdict, file=sys.stderr, flush=True)
+                    data = (json.dumps(_holder_info(self.stage, self.output), indent=1) + "\n").encode()
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, data, 0)
+                    os.fsync(fd)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                    raise
+                self.fd = fd
+                return
+        except BaseException:
+            self._remove_made()
+            raise
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            if _same_file(self.path, fd):  # unlink first: a waiter that flocks after us sees it gone and retries
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+        finally:
+            os.close(fd)
+            self._remove_made()
+
+    def _remove_made(self) -> None:
+        for d in self.made:  # directories made only for the lock, still empty: as they were
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        self.made = []
+
+
+def _rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def output_lock(output: str | Path, stage: str, *, rank: int | None = None):
+    """Hold the exclusive lock of ``output`` (a stage's output file or directory) for the ``with`` block.
+
+    :class:`RunLockedError` at once when a live process holds it, naming it (pid, host, command, start);
+    a lock left by a dead process of this host is taken over (and that is printed to stderr); one from
+    another host is refused, never taken. Released on leaving the block, exceptions included. Ranks other
+    than 0 (``rank``, else ``$RANK``) take none: rank 0 holds it for the job.
+    """
+    if (rank if rank is not None else _rank()) != 0:
+        yield None
+        return
+    lock = _Lock(Path(output), stage)
+    lock.acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def stage_lock(stage: str):
+    """Decorator of a ``run_<stage>(recipe, ...)`` entry: the call holds :func:`output_lock` on the stage's
+    output (:func:`stage_output`) from start to end. A ``rank`` argument, when the entry takes one and it
+    is given, decides which process holds it (else ``$RANK``)."""
+    if stage not in STAGE_OUTPUTS:
+        raise ValueError(f"no output recorded for stage {stage!r}")
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def locked(*args, **kwargs):
+            bound = sig.bind_partial(*args, **kwargs).arguments
+            recipe = bound["recipe"] if "recipe" in bound else args[0]
+            with output_lock(stage_output(recipe, stage), stage, rank=bound.get("rank")):
+                return fn(*args, **kwargs)
+
+        locked.stage_lock = stage
+        return locked
+
+    return wrap

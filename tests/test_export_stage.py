@@ -207,6 +207,11 @@ def test_shape_mismatches(tmp_path, capsys):
     t = load_file(str(final / "model.safetensors"))
     t["lm_head.weight"] = t["lm_head.weight"][:-1].contiguous()
     save_file(t, str(final / "model.safetensors"))
+    # a head saved with this shape (its recorded sha256 follows the new weights), not a damaged file
+    import hashlib
+
+    meta["checksums"]["model.safetensors"] = hashlib.sha256((final / "model.safetensors").read_bytes()).hexdigest()
+    (final / "meta.json").write_text(json.dumps(meta))
     assert main(["export", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
     assert "cannot load the trained head" in err and "lm_head.weight" in err and err.count("\n") == 1

@@ -187,6 +187,11 @@ def test_model_card_reads_like_a_hub_card(tmp_path):
     text = write_card(out, meta).read_text()
     assert text.startswith("---\nlibrary_name: specheads\nbase_model: org/tiny-target\n")
     assert str(tmp_path) not in text  # no absolute path: the card travels with the head
+    report = tmp_path / "eval" / "report.json"
+    report.parent.mkdir()
+    report.write_text(json.dumps({"runs": [{"name": "head k=3 greedy", "metrics": {"tau": 2.5}}]}))
+    with_report = write_card(out, meta, report_json=report).read_text()
+    assert "From `report.json`" in with_report and str(tmp_path) not in with_report
     assert "'{\"method\":\"eagle3\",\"model\":\"exp\"" in text  # outside the working directory: its name
     assert "rerun with `specheads train recipe.yaml`" in text
     assert yaml.safe_load((out / "recipe.yaml").read_text()) == recipe  # the file the card's rerun line names

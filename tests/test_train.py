@@ -304,7 +304,8 @@ def test_offline_dump_feed_and_mismatch(tmp_path):
     _, meta = load_trained_head(tmp_path)
     assert meta["aux_layer_ids"] == [2, 4, 5] and meta["target"]["config_hash"] == tgt.config_hash
     # a head asking for other aux layers than the dump holds: the feed refuses, the error surfaces
-    bad = recipe_from_dict({**base, "head": {"kind": "eagle3", "aux_layer_ids": [1, 3, 6]}})
+    bad = recipe_from_dict({**base, "head": {"kind": "eagle3", "aux_layer_ids": [1, 3, 6]},
+                            "train": {**base["train"], "overwrite": True}})  # a new run over the first one's outputs
     with pytest.raises(DumpError, match=r"layer"):
         run_train(bad, target=tgt, progress=False)
 

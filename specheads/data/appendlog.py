@@ -4,9 +4,13 @@ Generation is slow, so its output must survive a kill and a full disk, and a
 rerun must continue it rather than start over or mix in data made otherwise:
 
 - rows are appended whole and flushed + fsynced, so a kill loses at most the
-  row being written; :func:`read_rows` cuts a torn last line off;
+  row being written; :func:`read_rows` cuts a torn last line off (and says so);
 - a full disk raises the stage's own error saying that what was written is
   safe and how to resume (the torn line it may leave is cut off on resume);
+- every good row survives a resume: a bad line in the middle (not JSON, or a
+  row without its required fields) is set aside in ``<name>.bad.jsonl`` with
+  its line number, counted and named, and the good rows after it are kept;
+  only a torn last line (no newline, not parseable) is ever dropped;
 - a ``.meta.json`` sidecar records the settings that made the file; a rerun
   with other settings is refused, naming what differs, so a resume can never
   mix two recipes' data in one file.
@@ -14,12 +18,15 @@ rerun must continue it rather than start over or mix in data made otherwise:
 
 from __future__ import annotations
 
+from specheads.errors import SpecheadsError
 from specheads.rundir import stage_input_diff
-from specheads.fileio import write_json_atomic
+from specheads.fileio import fsync_dir, tmp_path_for, write_json_atomic
 
 import errno
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 
@@ -57,26 +64,118 @@ def check_settings(out: Path, doc: dict, error: type[Exception], out_key: str, c
         write_json_atomic(meta_path(out), doc)
 
 
-def read_rows(out: Path) -> list[dict]:
-    """The rows already written, in order; a torn last line (killed mid-write) is cut off the file."""
+def bad_path(out: Path) -> Path:
+    """Where :func:`read_rows` sets aside the bad lines of ``out`` (appended, one JSON record per line)."""
+    return out.with_name(out.name + ".bad.jsonl")
+
+
+def _parse(line: bytes, required: tuple[str, ...]) -> tuple[dict | None, str | None]:
+    """(row, None) for a good line, else (None, why it is bad)."""
+    try:
+        row = json.loads(line)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError alike
+        return None, f"not JSON ({e})"
+    if not isinstance(row, dict):
+        return None, f"a JSON {type(row).__name__}, not an object"
+    missing = [k for k in required if k not in row]
+    if missing:
+        return None, f"no {', '.join(repr(k) for k in missing)}"
+    return row, None
+
+
+def _lines_named(numbers: list[int], most: int = 10) -> str:
+    shown = ", ".join(str(n) for n in numbers[:most])
+    return shown + (f" and {len(numbers) - most} more" if len(numbers) > most else "")
+
+
+def read_rows(out: Path, required: tuple[str, ...] = ("id",), error: type[Exception] = SpecheadsError) -> list[dict]:
+    """The good rows already written to ``out``, in order, with ``out`` made to hold them alone.
+
+    A good row is a JSON object with every ``required`` key. A bad line anywhere but at the end (or a complete
+    last line that is bad) is appended to :func:`bad_path` with its line number and why, then removed from
+    ``out``; the good rows on both sides of it are kept. A torn last line (no trailing newline and not JSON:
+    a write cut short by a kill or a full disk) is cut off. Either is printed (stderr) naming the file, the line
+    numbers and the counts. ``out`` is rewritten atomically (tmp + fsync + rename) only when a bad line left it;
+    a torn line alone is truncated, which needs no free space. ``error``: the stage's error for a failed rewrite.
+    """
     if not out.exists():
         return []
-    rows, good = [], 0
+    rows: list[dict] = []
+    bad: list[tuple[int, bytes, str]] = []  # (line number, line, why)
+    good_end = 0  # bytes up to the end of the last good line (the truncation point when nothing else is wrong)
+    torn: tuple[int, int] | None = None  # (line number, bytes)
+    unterminated_good = False  # a good last line without its newline
+    n = 0
     with open(out, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                break
-            try:
-                row = json.loads(line)
-                str(row["id"])
-            except (ValueError, KeyError, TypeError):
-                break
-            rows.append(row)
-            good += len(line)
-    if good != out.stat().st_size:
+        pos = 0
+        for n, line in enumerate(f, start=1):
+            pos += len(line)
+            ends = line.endswith(b"\n")
+            row, why = _parse(line, required)
+            if row is not None:
+                rows.append(row)
+                good_end = pos
+                unterminated_good = not ends
+            elif not ends and why.startswith("not JSON"):
+                torn = (n, len(line))
+            else:
+                bad.append((n, line, why))
+    if not bad and torn is None and not unterminated_good:
+        return rows
+    if bad:
+        _set_aside(out, bad, error)
+        _rewrite_without(out, {b[0] for b in bad} | ({torn[0]} if torn else set()), error)
+    else:
+        # only a torn tail (or a missing last newline): truncate in place, which a full disk still allows
         with open(out, "r+b") as f:
-            f.truncate(good)
+            f.truncate(good_end)
+            if unterminated_good:
+                f.seek(good_end)
+                f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    said = [f"{out}: kept {len(rows)} good row(s)"]
+    if bad:
+        said.append(f"set aside {len(bad)} bad line(s) (line {_lines_named([b[0] for b in bad])}: "
+                    f"{bad[0][2]}{'; ...' if len(bad) > 1 else ''}) in {bad_path(out)}")
+    if torn is not None:
+        said.append(f"dropped a torn last line (line {torn[0]}, {torn[1]} bytes without a newline: "
+                    f"a write cut short by a kill or a full disk)")
+    print("; ".join(said), file=sys.stderr)
     return rows
+
+
+def _set_aside(out: Path, bad: list[tuple[int, bytes, str]], error: type[Exception]) -> None:
+    when = time.strftime("%Y-%m-%dT%H:%M:%S")
+    text = "".join(json.dumps({"file": out.name, "line": n, "reason": why, "set_aside": when,
+                               "text": line.rstrip(b"\n").decode("utf-8", "backslashreplace")},
+                              ensure_ascii=False) + "\n" for n, line, why in bad)
+    try:
+        with open(bad_path(out), "a", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise error(f"{out} has {len(bad)} bad line(s) (line {_lines_named([b[0] for b in bad])}) that could not "
+                    f"be set aside in {bad_path(out)} ({e}); nothing was changed") from e
+
+
+def _rewrite_without(out: Path, drop: set[int], error: type[Exception]) -> None:
+    """Rewrite ``out`` without the lines numbered ``drop`` (tmp + fsync + rename: all or nothing)."""
+    tmp = tmp_path_for(out)
+    try:
+        with open(out, "rb") as src, open(tmp, "wb") as dst:
+            for n, line in enumerate(src, start=1):
+                if n not in drop:
+                    dst.write(line if line.endswith(b"\n") else line + b"\n")
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise error(f"could not rewrite {out} without its bad line(s) ({e}); they are copied to {bad_path(out)} "
+                    f"and {out} is unchanged: free space and rerun the same command") from e
 
 
 def append_rows(f, out: Path, rows: list[dict], error: type[Exception], safe: str) -> None:

@@ -8,7 +8,8 @@ is given: drafting decodes in lockstep), and appends OpenAI-messages JSONL.
 
 Resumable: conversations are appended whole (one line, flushed and fsynced
 as each completes); a rerun skips the ids already written and drops a torn last
-line, so no prompt is generated twice and none is lost. Deterministic: each
+line, so no prompt is generated twice and none is lost; a corrupted line in the
+middle is set aside (``regenerated.jsonl.bad.jsonl``) and the good ones around it kept. Deterministic: each
 conversation's seed comes from its id, so its answer does not depend on
 batching or on where a previous run stopped. The output has a sidecar
 ``.meta.json`` naming the target and settings; a different recipe's output
@@ -21,7 +22,7 @@ import time
 
 from specheads.errors import SpecheadsError
 from specheads.fileio import write_json_atomic
-from specheads.rundir import RunDir, stage_inputs
+from specheads.rundir import RunDir, stage_inputs, stage_lock
 
 from .appendlog import append_rows, check_recipe_inputs, check_settings, read_rows
 
@@ -67,6 +68,7 @@ def load_prompt_items(recipe) -> tuple[list[dict], dict]:
     return train, stats
 
 
+@stage_lock("regenerate")
 def run_regenerate(recipe, target=None) -> dict:
     import torch
     from tqdm import tqdm
@@ -82,7 +84,8 @@ def run_regenerate(recipe, target=None) -> dict:
     if target is None:
         target = load_target_for(recipe)
     check_settings(out, _settings_doc(recipe, target), RegenerateError, OUT_KEY, "specheads data regenerate")
-    done = {str(r["id"]) for r in read_rows(out)}
+    # every good conversation already written counts as done; bad lines are set aside, a torn last one dropped
+    done = {str(r["id"]) for r in read_rows(out, ("id", "messages"), RegenerateError)}
     todo = [it for it in items if str(it["id"]) not in done]
     # length-sorted: the prompts prefilled together pad less; order does not change outputs
     todo.sort(key=lambda it: sum(len(t) for t in it["turns"]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
-from specheads.rundir import RunDir, check_stage_inputs, stage_inputs
+from specheads.rundir import RunDir, check_stage_inputs, stage_inputs, stage_lock
 from specheads.errors import MissingInputError
 from .prepare import load_rows, load_summary, prepare_rows
 from .sources import resolve_source
@@ -53,6 +53,7 @@ def check_vocab(recipe) -> None:
         check_stage_inputs(recorded, recipe, "vocab", vocab, "specheads vocab RECIPE")
 
 
+@stage_lock("prepare")
 def run_prepare(recipe) -> dict:
     from specheads.target import load_tokenizer_for, target_facts
 
@@ -82,6 +83,7 @@ def run_prepare(recipe) -> dict:
     return summary
 
 
+@stage_lock("vocab")
 def run_vocab(recipe) -> dict:
     rows_dir, vocab_dir = RunDir(recipe).rows, RunDir(recipe).vocab
     summary = check_rows(recipe)  # MissingInputError naming the stage to run when absent

@@ -26,7 +26,8 @@ Deterministic for a seed: item i's plan and sampling seeds come from (seed, i)
 alone, and items are judged in index order (a near duplicate is the later of
 two), so the output does not depend on the batch size or on where a previous
 run stopped. Resumable: kept and dropped rows are appended (fsynced) as judged;
-a rerun skips the items recorded in either file, cuts a torn last line off and
+a rerun skips the items recorded in either file, cuts a torn last line off, sets
+a corrupted line aside (``<out>.bad.jsonl``, keeping the good ones around it) and
 continues. The ``.meta.json`` sidecar refuses a file written with other
 settings or another seed file (see :mod:`specheads.data.appendlog`).
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 from specheads.config import CopyTask, SeedCategory
 from specheads.errors import SpecheadsError
 from specheads.fileio import write_json_atomic
-from specheads.rundir import RunDir, stage_inputs
+from specheads.rundir import RunDir, stage_inputs, stage_lock
 
 import hashlib
 import json
@@ -555,6 +556,7 @@ def plot_categories(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+@stage_lock("synthesize")
 def run_synthesize(recipe, target=None) -> dict:
     """Prompts written by the target (``data.synthesize``), appended to ``RunDir(recipe).synthesized``;
     a rerun continues where the last one stopped. Returns the run's summary."""
@@ -583,7 +585,8 @@ def run_synthesize(recipe, target=None) -> dict:
                 "recipe_inputs": stage_inputs(recipe, "synthesize")}
     check_settings(out, settings, SynthesizeError, OUT_KEY, COMMAND)
     drop_out = dropped_path(out)
-    kept, dropped = read_rows(out), read_rows(drop_out)
+    kept = read_rows(out, ("id", "turns"), SynthesizeError)
+    dropped = read_rows(drop_out, ("id", "reason"), SynthesizeError)
     done = {r["id"] for r in kept} | {r["id"] for r in dropped}
     dedup = Deduper(cfg.dedup_threshold)
     for r in kept:

@@ -61,7 +61,7 @@ from specheads.dump.store import (
     write_json_atomic,
     write_safetensors_atomic,
 )
-from specheads.rundir import RunDir, check_store_compatible, stage_inputs
+from specheads.rundir import RunDir, check_store_compatible, stage_inputs, stage_lock
 
 log = logging.getLogger("specheads.dump")
 
@@ -304,6 +304,7 @@ def _verify_record(root: Path, plan: ShardPlan, record: dict | None, digest: str
 # --- the dump ----------------------------------------------------------------------------------
 
 
+@stage_lock("dump")
 def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size: int | None = None, *,
              progress: bool = True, writer_threads: int | None = None) -> dict:
     """Dump aux/final hidden states of ``rows`` (default: ``RunDir(recipe).rows``) to ``RunDir(recipe).dump``.
@@ -332,18 +333,25 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
         trows = TokenRows(rows if rows is not None else RunDir(recipe).rows)
         layer_ids = target.aux_layer_ids(recipe.head.aux_layer_ids)
         root = RunDir(recipe).dump
-        return _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads)
+        # the rows' summary.json, by digest: training refuses this store once the rows are prepared anew
+        summary = RunDir(recipe).rows / "summary.json"
+        summary_sha = file_sha256(summary) if rows is None and summary.is_file() else None
+        return _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads,
+                    rows_summary_sha256=summary_sha)
     finally:
         dist.close()
 
 
-def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads) -> dict:
+def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads, *,
+         rows_summary_sha256: str | None = None) -> dict:
     """The dump as a pipeline; every step runs on every rank in the same order (collectives inside)."""
     lengths = trows.lengths()
     _check_row_lengths(lengths, recipe.data.max_length)
     plans = plan_shards(lengths, recipe.dump.shard_tokens)
     digests = _shard_digests(trows, plans, target.vocab_size)
     header = _header(target, layer_ids, recipe, hashlib.sha256("".join(digests).encode()).hexdigest())
+    if rows_summary_sha256 is not None:
+        header["rows_summary_sha256"] = rows_summary_sha256  # sha256 of the token rows' summary.json
     existing = _open_store(root, header, dist)
     mine = [p for p in plans if p.index % dist.world_size == dist.rank]
     records, todo = _keep_finished_shards(root, mine, existing, digests)

@@ -29,7 +29,7 @@ from specheads.runtime.chat import chat_generate
 from specheads.runtime.drafters import make_drafter
 from specheads.runtime.metrics import summarize
 from specheads.runtime.model import TargetModel
-from specheads.rundir import RunDir
+from specheads.rundir import RunDir, RunLockedError, output_lock, stage_lock
 from specheads.runtime.tree import TreeConfig
 from specheads.target import load_target_for
 
@@ -180,6 +180,7 @@ class _Progress:
         self.bar.close()
 
 
+@stage_lock("eval")
 def run_eval(recipe, target=None) -> dict:
     """Plain decoding, then every planned run; writes report.json/.md and plots to ``RunDir(recipe).eval``."""
     e = recipe.eval
@@ -262,17 +263,20 @@ def run_eval(recipe, target=None) -> dict:
         report = add_vllm_runs(report, recipe, prompts, target, plain=plain)
     paths = write_report(report, RunDir(recipe).eval)
     print(f"report: {paths['md']} ({len(paths['plots'])} plots)")
-    _update_model_cards(specs, paths["json"])
+    if e.update_card:  # only when asked: evaluating a head leaves its directory byte-identical
+        _update_model_cards(specs, paths["json"])
     return report
 
 
 def _update_model_cards(specs: list[RunSpec], report_json: str) -> None:
-    """Evaluated specheads exports get the measured acceptance in their model card."""
+    """With ``eval.update_card`` (``--update-card``): evaluated specheads exports get the measured acceptance
+    in their model card (README.md, rewritten in the head directory)."""
     from specheads.formats.card import write_card
 
     for d in dict.fromkeys(r.drafter for r in specs if r.drafter != "ngram"):
         if (Path(d) / "specheads.json").is_file():
             try:
-                write_card(d, report_json=report_json)
-            except OSError as e:  # a read-only head directory keeps its card
+                with output_lock(d, "eval"):  # the head directory is the export's output: no export may run
+                    write_card(d, report_json=report_json)
+            except (OSError, RunLockedError) as e:  # a read-only or busy head directory keeps its card
                 print(f"model card of {d} not updated: {e}")

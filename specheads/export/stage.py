@@ -8,15 +8,29 @@
 - :func:`run_convert`: an exported head rewritten in another format, validated
   against the source head.
 - :func:`run_check`: a directory validated as the readers would; with a target,
-  also verifier, vocabulary and hidden size against the target's config (no weights).
+  also verifier, vocabulary and hidden size against the target's config (no weights);
+  and every file against the sha256 the export recorded.
+
+An export is published whole: it is written into a hidden sibling ``.{out}.tmp-{pid}``, validated
+there, sealed (``specheads.json`` gets ``checksums``: the sha256 of every other file, and ``lineage``:
+the trained weights it was made from), and only then renamed over ``out`` (the old export swapped
+aside and removed). A run killed at any point leaves the old complete export or the new one, never a
+mix; its leftover siblings are removed by the next export of ``out``, and never read as an export.
+Both :func:`run_export` and :func:`run_convert` hold ``out``'s lock (:func:`specheads.rundir.output_lock`).
 
 Every user-facing failure is an ``ExportError`` with a one-line message.
 """
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
+import errno
+import hashlib
 import json
+import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,11 +38,14 @@ import torch
 
 from specheads.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
 from specheads.formats import card
-from specheads.formats.common import DTYPES, ExportError, ExportMeta, read_json, read_side, tensor_shapes_dtypes
+from specheads.fileio import fsync_dir, write_json_atomic
+from specheads.formats.common import (DTYPES, SIDE_FILE, ExportError, ExportMeta, read_json, read_side,
+                                      tensor_shapes_dtypes)
 from specheads.formats.convert import MODULES, detect_format, load_any, save
+from specheads.formats.trained import _resolve as resolve_trained
 from specheads.formats.trained import load_trained_head
 from specheads.heads.config import target_mismatches
-from specheads.rundir import RunDir
+from specheads.rundir import RunDir, output_lock, stage_lock
 from specheads.target import BUNDLED_HF_ID, TargetError, target_facts
 
 from . import validate
@@ -158,8 +175,9 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def summary_lines(out: Path, rep, meta, fmt: str) -> list[str]:
-    files = sorted(p for p in Path(out).iterdir() if p.is_file())
+def summary_lines(out: Path, rep, meta, fmt: str, files_in: Path | None = None) -> list[str]:
+    """What an export wrote (the files of ``files_in``, default ``out``), its validation and launch lines."""
+    files = sorted(p for p in Path(files_in or out).iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
     lines = [f"exported {fmt} head to {out} ({_size(total)})"]
     lines += [f"  {p.name:<24} {_size(p.stat().st_size):>10}" for p in files]
@@ -219,6 +237,211 @@ def recipe_for_run(path, overrides: list[str] = ()):
         return load_recipe(None, [f"run_dir={root}"])
 
 
+# ---------------------------------------------------------------- checksums, lineage, publishing
+def file_sha256(path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _recorded_sha(v) -> str | None:
+    """A recorded checksum, written as the hex digest or as {"sha256": hex, ...}."""
+    if isinstance(v, dict):
+        v = v.get("sha256")
+    return v.removeprefix("sha256:") if isinstance(v, str) else None
+
+
+def lineage_of(path) -> dict | None:
+    """What an export is made from: the trained directory (``final/`` or a checkpoint) that
+    ``load_trained`` reads for ``path``, its step and recipe hash, and the sha256 of its weights, read from
+    what the trainer recorded (``final/meta.json``'s ``checksums``, a checkpoint's ``checksums.json``; the
+    reader verifies them on load) or computed here when it recorded none. None when ``path`` holds none."""
+    try:
+        kind, d = resolve_trained(path)
+    except (OSError, ValueError, LookupError):  # MissingInputError (a FileNotFoundError) included
+        return None
+    d = Path(d).resolve()
+    try:
+        meta = json.loads((d / "meta.json").read_text()) if (d / "meta.json").is_file() else {}
+    except (OSError, ValueError):
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    if kind == "final":
+        names, recorded = ["model.safetensors"], meta.get("checksums")
+    else:  # the model states (ZeRO-3: the fp32 partitions are in the optimizer states)
+        names = sorted(p.name for p in d.iterdir() if p.name.endswith(("model_states.pt", "optim_states.pt")))
+        try:
+            recorded = (json.loads((d / "checksums.json").read_text()) or {}).get("files") \
+                if (d / "checksums.json").is_file() else None
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+    recorded = recorded if isinstance(recorded, dict) else {}
+    files, by = {}, "train"
+    for name in names:
+        sha = _recorded_sha(recorded.get(name))
+        if sha is None:
+            sha, by = file_sha256(d / name), "export"
+        files[name] = sha
+    return {"source": str(d), "kind": kind, "step": meta.get("step"), "recipe_hash": meta.get("recipe_hash"),
+            "sha256": files, "sha256_by": by}
+
+
+def sealed_files(d: Path) -> list[Path]:
+    """The files of an export that its checksums cover: all but ``specheads.json`` itself."""
+    d = Path(d)
+    return sorted((p for p in d.rglob("*") if p.is_file() and p.relative_to(d).as_posix() != SIDE_FILE),
+                  key=lambda p: p.relative_to(d).as_posix())
+
+
+def seal(d: Path, lineage: dict | None) -> None:
+    """Record in ``d``'s side file the sha256 of every other file (``checksums``) and the trained weights it
+    was made from (``lineage``); every file is flushed to disk first."""
+    sums = {}
+    for p in sealed_files(d):
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+        sums[p.relative_to(d).as_posix()] = file_sha256(p)
+    side = read_side(d) or {}
+    side["checksums"] = sums
+    if lineage is not None:
+        side["lineage"] = lineage
+    write_json_atomic(d / SIDE_FILE, side)
+    fsync_dir(d)
+
+
+def checksum_report(d: Path) -> tuple[list[str], list[str], bool]:
+    """(errors, warnings, whether checksums were recorded): each file of ``d`` against the sha256 its
+    side file recorded; a file the export did not write is a warning."""
+    d = Path(d)
+    try:
+        side = read_side(d) or {}
+    except ExportError as e:
+        return [str(e)], [], False
+    sums = side.get("checksums")
+    if not isinstance(sums, dict):
+        return [], [], False
+    errors = []
+    for name, want in sorted(sums.items()):
+        f = d / name
+        if not f.is_file():
+            errors.append(f"{f}: missing (the export recorded its sha256 {want})")
+            continue
+        try:
+            have = file_sha256(f)
+        except OSError as e:
+            errors.append(f"{f}: cannot be read ({e})")
+            continue
+        if have != _recorded_sha(want):
+            errors.append(f"{f}: sha256 {have} differs from the {want} recorded at export: the file changed "
+                          "after it was exported (export again, or restore the file)")
+    extra = [p.relative_to(d).as_posix() for p in sealed_files(d) if p.relative_to(d).as_posix() not in sums]
+    warnings = [f"{d / n}: not written by the export (not in its checksums)" for n in extra]
+    return errors, warnings, True
+
+
+def _staging(out: Path) -> Path:
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def _leftovers(out: Path, kind: str) -> list[Path]:
+    pat = re.compile(rf"\.{re.escape(out.name)}\.{kind}-\d+")
+    return sorted(p for p in out.parent.iterdir() if pat.fullmatch(p.name)) if out.parent.is_dir() else []
+
+
+def clear_leftovers(out: Path) -> None:
+    """Remove what killed exports of ``out`` left beside it (the caller holds ``out``'s lock, so no live
+    export owns them). Killed between moving the old export aside and renaming the new one in (only
+    where the filesystem cannot swap two directories), the old one is put back first."""
+    olds = _leftovers(out, "old")
+    if olds and not out.exists():
+        keep = max(olds, key=lambda p: p.stat().st_mtime)
+        os.rename(keep, out)
+        olds.remove(keep)
+        print(f"specheads: restored {out} from {keep.name} (an export was killed while replacing it)",
+              file=sys.stderr, flush=True)
+    for p in _leftovers(out, "tmp") + olds:
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+        print(f"specheads: removed {p} (left by a killed export)", file=sys.stderr, flush=True)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where that is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Put the complete export ``tmp`` in place of ``out``: swapped with the old one in one step where the
+    filesystem can, else the old one renamed aside first; the old one is then removed."""
+    if not out.exists():
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+        return
+    if _exchange(tmp, out):
+        old = tmp  # the old export now lies under the temporary name
+    else:
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+    fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ExportError(f"{out}: output directory exists and is not an export directory; choose another --out")
+
+
+def _write_sealed(out: Path, write, lineage: dict | None):
+    """Run ``write(tmp)`` (which writes and validates the export in ``tmp``, returning its report), seal the
+    result and publish it as ``out``; nothing of it stays when anything fails, and ``out`` is left as it was
+    when the report is not ok (ExportError)."""
+    if out.is_symlink():  # publish into the folder it names; the link stays
+        out = out.resolve()
+    clear_leftovers(out)
+    tmp = _staging(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        rep = write(tmp)
+        rep.dir = str(out)
+        rep.errors = [e.replace(str(tmp), str(out)) for e in rep.errors]
+        rep.warnings = [w.replace(str(tmp), str(out)) for w in rep.warnings]
+        if rep.ok:
+            seal(tmp, lineage)
+            publish(tmp, out)
+        return rep
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@stage_lock("export")
 def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
     """Export the head trained by ``recipe`` (or the one in ``source``, a run/checkpoint directory).
 
@@ -233,26 +456,36 @@ def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
     check_head_vs_identity(head, tmeta, where)
     check_vocab_mapping(head, where)
     meta = build_meta(head, tmeta, x.k, tmeta.get("recipe") or recipe.to_dict())
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise ExportError(f"{out}: output directory exists and is not an export directory; choose another --out")
+    _check_out(out)
     head = head.float().eval()
-    try:
-        save(head, meta, out, fmt, dtype=dt)
-    except ValueError as e:
-        raise ExportError(f"{where}: cannot write {fmt}: {e}") from None
     ident = tmeta.get("target") or {}
-    rep = validate.check(out, target_vocab_size=head.cfg.target_vocab_size,
-                         verifier=meta.verifier_name_or_path, reference_head=head, dtype=dt, raise_on_error=False,
-                         atol=_atol(dt))
     report = RunDir(recipe).eval / "report.json"
-    card.write_card(out, meta, fmt=fmt, report_json=report if report.is_file() else None)
+    lines: list[str] = []
+
+    def write(tmp: Path):
+        try:
+            save(head, meta, tmp, fmt, dtype=dt)
+        except ValueError as e:
+            raise ExportError(f"{where}: cannot write {fmt}: {e}") from None
+        rep = validate.check(tmp, target_vocab_size=head.cfg.target_vocab_size,
+                             verifier=meta.verifier_name_or_path, reference_head=head, dtype=dt, raise_on_error=False,
+                             atol=_atol(dt))
+        card.write_card(tmp, meta, fmt=fmt, report_json=report if report.is_file() else None,
+                        model_path=card.head_path_for_card(out))
+        lines.extend(summary_lines(out, rep, meta, fmt, files_in=tmp))
+        return rep
+
+    rep = _write_sealed(out, write, lineage_of(source or RunDir(recipe).train))
+    if rep.ok:
+        lines = summary_lines(out, rep, meta, fmt)  # the files as published (the side file sealed)
     if echo:
-        for line in summary_lines(out, rep, meta, fmt):
+        for line in lines:
             _out(line)
         if ident.get("adapter"):
             _out(f"note: the target carries the adapter {ident['adapter']}: serve the merged model as the verifier")
     if not rep.ok:
-        raise ExportError(f"{out}: written but failed validation: " + "; ".join(rep.errors))
+        raise ExportError(f"{out}: failed validation, so not published (any previous export there is unchanged): "
+                          + "; ".join(rep.errors))
     return out
 
 
@@ -279,16 +512,37 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
                    "package needs one in the file; export from the trained run instead")
     check_vocab_mapping(head, str(src))
     dt = _dtype(dtype)
-    MODULES[fmt].save(head, meta, out, dtype=dt)
-    rep = validate.check(out, target_vocab_size=head.cfg.target_vocab_size, reference_head=head, dtype=dt,
-                         raise_on_error=False, atol=_atol(dt))
-    card.write_card(out, meta, fmt=fmt)
+    lines: list[str] = []
+
+    def write(tmp: Path):
+        MODULES[fmt].save(head, meta, tmp, dtype=dt)
+        rep = validate.check(tmp, target_vocab_size=head.cfg.target_vocab_size, reference_head=head, dtype=dt,
+                             raise_on_error=False, atol=_atol(dt))
+        card.write_card(tmp, meta, fmt=fmt, model_path=card.head_path_for_card(out))
+        lines.extend(summary_lines(out, rep, meta, fmt, files_in=tmp))
+        return rep
+
+    side = read_side(src) or {}
+    recorded = side.get("checksums") if isinstance(side.get("checksums"), dict) else {}
+    sums, by = {}, "source export"
+    for p in sorted(src.glob("*.safetensors")):
+        sums[p.name] = _recorded_sha(recorded.get(p.name))
+        if sums[p.name] is None:
+            sums[p.name], by = file_sha256(p), "export"
+    lineage = {"source": str(src.resolve()), "kind": "export", "format": src_fmt, "sha256": sums,
+               "sha256_by": by, "made_from": side.get("lineage")}
+    with output_lock(out, "export"):
+        _check_out(out)
+        rep = _write_sealed(out, write, lineage)
+    if rep.ok:
+        lines = summary_lines(out, rep, meta, fmt)
     if echo:
         _out(f"converted {src} ({src_fmt}) -> {fmt}")
-        for line in summary_lines(out, rep, meta, fmt):
+        for line in lines:
             _out(line)
     if not rep.ok:
-        raise ExportError(f"{out}: written but failed validation: " + "; ".join(rep.errors))
+        raise ExportError(f"{out}: failed validation, so not published (any previous export there is unchanged): "
+                          + "; ".join(rep.errors))
     return out
 
 
@@ -341,13 +595,19 @@ def run_check(d, target: str | None = None, echo: bool = True) -> int:
         facts = target_facts(target) if target else None
     except TargetError as e:
         raise ExportError(f"--target {target}: {e}") from None
+    sum_errors, sum_warnings, sealed = checksum_report(d) if d.is_dir() else ([], [], False)
     try:
         rep = validate.check(d, target_vocab_size=facts["vocab_size"] if facts else None, raise_on_error=False)
-    except ExportError as e:  # not a head directory at all
+    except ExportError as e:  # not a head directory at all (or a file so damaged that it cannot be read)
         if echo:
-            _out(f"{d}: FAILED\n  error: {e}")
+            _out(f"{d}: FAILED")
+            for p in [*sum_errors, str(e)]:
+                _out(f"  error: {p}")
         return 1
-    problems = list(rep.errors)
+    problems = sum_errors + [p for p in rep.errors if p not in sum_errors]
+    rep.warnings = sum_warnings + rep.warnings
+    if sealed:
+        rep.checked.append("sha256 of every file")
     if facts:
         try:
             problems += [p for p in check_against_target(d, facts) if p not in problems]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import ExportMeta, read_side
+from .common import SIDE_FILE, ExportMeta, read_side
 
 
 def launch_lines(target: str, d: str, k: int, fmt: str = "speculators") -> dict[str, str]:
@@ -88,14 +88,14 @@ def _training_rows(training: dict, recipe: dict) -> list[tuple[str, object]]:
 RECIPE_FILE = "recipe.yaml"  # beside the card: the recipe that trained the head, to rerun it
 
 
-def head_path_for_card(out: Path) -> str:
-    """How the serve commands name the head: from the working directory when the head lies below it, else by
-    its folder name. Never an absolute path: a card travels with the head to other machines and to a model hub."""
-    out = out.resolve()
+def head_path_for_card(path: Path) -> str:
+    """How the card names a file or folder: from the working directory when it lies below it, else by its name.
+    Never an absolute path: a card travels with the head to other machines and to a model hub."""
+    path = Path(path).resolve()
     try:
-        return str(out.relative_to(Path.cwd().resolve()))
+        return str(path.relative_to(Path.cwd().resolve()))
     except ValueError:
-        return out.name
+        return path.name
 
 
 def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = None, report_json=None,
@@ -132,7 +132,7 @@ def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = Non
             ("decoder layers", hc.get("num_layers")), ("draft vocabulary", _num(hc.get("draft_vocab_size"))),
             ("norm_before_residual", hc.get("norm_before_residual"))]) + [""]
     if report_json:
-        md += acceptance_section(json.loads(Path(report_json).read_text()), str(report_json))
+        md += acceptance_section(json.loads(Path(report_json).read_text()), head_path_for_card(report_json))
     md += ["## Serve", "", f"`{d}` is this head's folder; after moving it, give its new path.", "",
            "vLLM:", "", "```bash", lines["vllm"], "```", "", "SGLang:", "", "```bash", lines["sglang"], "```", ""]
     data_rows = _data_rows(meta.data)
@@ -140,13 +140,31 @@ def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = Non
         md += ["## Data", ""] + _table(data_rows) + [""]
     if meta.training:
         md += ["## Training", ""] + _table(_training_rows(meta.training, meta.recipe)) + [""]
+    written = []
     if meta.recipe:
         recipe_yaml = yaml.safe_dump(meta.recipe, sort_keys=False)
         (out / RECIPE_FILE).write_text(recipe_yaml)
+        written.append(RECIPE_FILE)
         md += ["## Recipe", "", f"Recipe hash `{meta.recipe_hash}`; rerun with `specheads train {RECIPE_FILE}` "
                f"(the `{RECIPE_FILE}` beside this card).", "",
                f"<details><summary>{RECIPE_FILE}</summary>", "", "```yaml", recipe_yaml.rstrip(), "```", "",
                "</details>", ""]
     p = out / "README.md"
     p.write_text("\n".join(md))
+    _refresh_checksums(out, side, [*written, p.name])
     return p
+
+
+def _refresh_checksums(out: Path, side: dict, names: list[str]) -> None:
+    """A sealed export (its side file records ``checksums``) keeps them true when its card is rewritten later
+    (``specheads eval --update-card``)."""
+    import hashlib
+
+    from ..fileio import write_json_atomic
+
+    sums = side.get("checksums")
+    if not isinstance(sums, dict):
+        return
+    for name in names:
+        sums[name] = hashlib.sha256((out / name).read_bytes()).hexdigest()
+    write_json_atomic(out / SIDE_FILE, side)

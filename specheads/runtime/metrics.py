@@ -1,4 +1,4 @@
-"""Acceptance metrics (DESIGN.md, "Acceptance metrics") from per-decode-step records.
+"""Acceptance metrics (docs/conventions.md, "Acceptance metrics") from per-decode-step records.
 
 One record = one target decode forward for one request (the prefill forward is not a
 decode forward and has no record).

@@ -151,7 +151,7 @@ def _warm_start(recipe, target, cfg, d2t):
 
 
 def _add_lora(head, lcfg):
-    """Trainable LoRA adapters (the layout ``export.trained`` reads back) on a frozen head."""
+    """Trainable LoRA adapters (the layout ``formats.trained`` reads back) on a frozen head."""
     head.requires_grad_(False)
     head = inject_lora(head, r=lcfg.r, alpha=lcfg.alpha, dropout=lcfg.dropout, target_modules=lcfg.target_modules)
     n = 0

@@ -32,6 +32,29 @@ loss before every backward and the gradient norm after every step, and
 stops without saving when either is NaN/inf, so ``latest`` always names the
 last good state. What a checkpoint must share with the run resuming it (the
 fingerprint, the client state's fields) is :mod:`specheads.rundir`'s.
+
+Integrity. Every rank writes its files, DeepSpeed saves (with
+``save_latest=False``: DeepSpeed does not touch ``latest``), all ranks meet at a
+barrier, then rank 0 reads every file of ``step_N/`` (all ranks' files: the
+directory is shared), fsyncs it and records its sha256 and size in
+``step_N/checksums.json``, and only then replaces ``latest`` (temporary file +
+rename). A checkpoint without ``checksums.json`` is therefore either an
+interrupted save or one written before checksums existed.
+
+Choosing the checkpoint to resume (:func:`select_checkpoint`): the one
+``latest`` names, verified against its checksums; if it fails (no checksums,
+a missing, truncated or changed file), the newest older ``step_N`` that
+verifies, printing what was skipped and why (the file, expected and actual
+digest or size). Directories newer than ``latest`` are interrupted saves and
+are skipped. Checkpoints written before checksums (no ``checksums.json``) are
+the last resort: one is resumed only when no checksummed checkpoint verifies,
+and only when every ``.pt`` file in it passes its zip CRC check and its JSON
+files parse, with a printed warning that it is unverified. Checkpoints exist
+but none qualifies -> :class:`CheckpointError` naming each and why.
+
+``final/`` is written into a temporary sibling (``.final.tmp-*``), its
+``meta.json`` records the sha256 of ``model.safetensors`` and
+``head_config.json``, and the directory is renamed into place when complete.
 """
 from __future__ import annotations
 
@@ -39,16 +62,34 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from specheads.formats.trained import CKPT, CLIENT, FINAL, HEAD_CONFIG, LATEST, META, WEIGHTS
-from specheads.fileio import write_json_atomic
+from specheads.errors import SpecheadsError
+from specheads.fileio import fsync_dir, write_json_atomic
+from specheads.formats.trained import (CHECKSUMS, CKPT, CLIENT, FINAL, HEAD_CONFIG, LATEST, META, WEIGHTS,
+                                       TrainedHeadError, checksum_problems, compute_checksums, file_sha256,
+                                       read_checksums)
 from specheads.rundir import ResumeMismatchError, client_world_size
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(SpecheadsError, RuntimeError):
+    """Checkpoints exist under ``train.out`` but none can be resumed (each fails its checksums or cannot be
+    read)."""
+
+
+class PreviousRunError(SpecheadsError, FileExistsError):
+    """A run that does not resume was pointed at a train directory holding another run's checkpoints or
+    ``final/`` (``train.overwrite=true`` removes them first)."""
 
 
 # ---------------------------------------------------------------- RNG
@@ -75,35 +116,197 @@ def checkpoint_root(train_dir) -> Path:
 
 
 def latest_checkpoint(train_dir) -> Path | None:
+    """The checkpoint ``latest`` names, when it exists (unverified: see :func:`select_checkpoint`)."""
     root = checkpoint_root(train_dir)
     latest = root / LATEST
     if not latest.is_file():
         return None
     tag = latest.read_text().strip()
     p = root / tag
-    return p if (p / CLIENT).is_file() else None
+    return p if tag and (p / CLIENT).is_file() else None
+
+
+def step_dirs(train_dir) -> list[Path]:
+    """Every ``checkpoints/step_N`` directory, newest (largest N) first."""
+    root = checkpoint_root(train_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _step_of(tag_dir: Path) -> int:
+    m = _STEP_DIR.fullmatch(Path(tag_dir).name)
+    return int(m.group(1)) if m else -1
+
+
+def write_latest(train_dir, tag: str) -> None:
+    """Point ``latest`` at ``tag`` atomically (temporary file, fsync, rename)."""
+    root = checkpoint_root(train_dir)
+    tmp = root / f".{LATEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
 
 
 def save_checkpoint(engine, train_dir, step: int, client: dict, rank_state: dict, rank: int,
                     head_cfg: dict, meta: dict) -> Path:
-    """All ranks call this (DeepSpeed collective). ``client`` must be JSON-able."""
+    """All ranks call this (DeepSpeed collective). ``client`` must be JSON-able.
+
+    Order: every rank's files and DeepSpeed's save, a barrier, then rank 0 writes ``checksums.json``
+    (covering all ranks' files) and only then advances ``latest``."""
     root = checkpoint_root(train_dir)
     tag = f"step_{step}"
     tag_dir = root / tag
     if rank == 0:
+        # a step_N left by an earlier attempt (a save interrupted, or the damaged checkpoint a resume skipped)
+        # is replaced whole: none of its files may end up under the new checksums
+        if tag_dir.exists():
+            shutil.rmtree(tag_dir)
         tag_dir.mkdir(parents=True, exist_ok=True)
         # a universal copy of an earlier run's step_N would no longer match the step_N written now
         shutil.rmtree(universal_dir(tag_dir), ignore_errors=True)
     _barrier()
-    # The sidecar files go first: DeepSpeed writes `latest` last, so a tag it names is complete.
     torch.save(rank_state, tag_dir / f"rank_{rank}.pt")
     if rank == 0:
         write_json_atomic(tag_dir / CLIENT, client)
         write_json_atomic(tag_dir / HEAD_CONFIG, head_cfg)
         write_json_atomic(tag_dir / META, meta)
-    engine.save_checkpoint(str(root), tag=tag, client_state={"specheads": client}, save_latest=True)
+    engine.save_checkpoint(str(root), tag=tag, client_state={"specheads": client}, save_latest=False)
+    _barrier()  # every rank's files are written
+    if rank == 0:
+        write_json_atomic(tag_dir / CHECKSUMS, compute_checksums(tag_dir, fsync=True))
+        write_latest(train_dir, tag)
     _barrier()
     return tag_dir
+
+
+# ---------------------------------------------------------------- choosing the checkpoint to resume
+def _legacy_problems(tag_dir: Path) -> list[str]:
+    """What makes a checkpoint without checksums unreadable: a ``.pt`` file whose zip structure or CRCs
+    fail (a truncated or flipped file), a JSON file that does not parse, no client state."""
+    out = []
+    if not (tag_dir / CLIENT).is_file():
+        out.append(f"{tag_dir / CLIENT}: missing")
+    for f in sorted(tag_dir.rglob("*")):
+        if not f.is_file():
+            continue
+        try:
+            if f.suffix == ".pt":
+                with zipfile.ZipFile(f) as z:
+                    bad = z.testzip()
+                if bad is not None:
+                    out.append(f"{f}: zip member {bad} fails its CRC check")
+            elif f.suffix == ".json":
+                json.loads(f.read_text())
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+            out.append(f"{f}: unreadable ({type(e).__name__}: {e})")
+    return out
+
+
+def check_checkpoint(tag_dir: Path) -> tuple[str, list[str]]:
+    """("verified", []) | ("unverified", []) (no checksums.json, readable) | ("bad", reasons)."""
+    tag_dir = Path(tag_dir)
+    try:
+        recorded = read_checksums(tag_dir)
+    except TrainedHeadError as e:
+        return "bad", [str(e)]
+    if recorded is None:
+        bad = _legacy_problems(tag_dir)
+        return ("bad", [f"no {CHECKSUMS} and " + b for b in bad]) if bad else ("unverified", [])
+    bad = checksum_problems(tag_dir, recorded)
+    if not bad and not (tag_dir / CLIENT).is_file():
+        bad = [f"{tag_dir / CLIENT}: missing"]
+    return ("bad", bad) if bad else ("verified", [])
+
+
+def select_checkpoint(train_dir, say=print) -> Path | None:
+    """The checkpoint a resume loads (module docstring: ``latest`` if it verifies, else the newest older
+    one that does, else an unverified one written before checksums); None when there is none at all.
+    :class:`CheckpointError` when checkpoints exist and none qualifies."""
+    root = checkpoint_root(train_dir)
+    dirs = step_dirs(train_dir)
+    named = None
+    if (root / LATEST).is_file():
+        tag = (root / LATEST).read_text().strip()
+        named = root / tag if tag else None
+        if named is not None and not named.is_dir():
+            say(f"{root / LATEST} names {tag}, which does not exist: looking for the newest checkpoint that verifies")
+            named = None
+    if named is None and not dirs:
+        return None
+    skipped: list[str] = []
+    if named is not None:
+        newer = [d for d in dirs if _step_of(d) > _step_of(named)]
+        for d in newer:
+            say(f"skipping checkpoint {d}: newer than {root / LATEST} ({named.name}), an interrupted save")
+            skipped.append(f"{d}: newer than latest ({named.name}), an interrupted save")
+        order = [named] + [d for d in dirs if d != named and d not in newer]
+    else:
+        order = dirs
+    unverified = None
+    for d in order:
+        status, why = check_checkpoint(d)
+        if status == "verified":
+            if d != order[0] or unverified is not None:
+                say(f"resuming from {d}, the newest checkpoint that verifies")
+            return d
+        if status == "unverified":
+            skipped.append(f"{d}: no {CHECKSUMS} (written before checksums, or an interrupted save)")
+            if unverified is None:
+                unverified = d
+            continue
+        say(f"skipping checkpoint {d}: it does not verify:\n  " + "\n  ".join(why))
+        skipped.append(f"{d}: " + "; ".join(why))
+    if unverified is not None:
+        say(f"WARNING: no checkpoint under {root} verifies against a {CHECKSUMS}; resuming from {unverified}, "
+            f"which has none (written before checksums, or an interrupted save): its files pass their zip CRC "
+            f"checks but are not verified")
+        return unverified
+    raise CheckpointError(f"train.resume=true but no checkpoint under {root} can be resumed:\n  "
+                          + "\n  ".join(skipped) +
+                          "\nRestore a good checkpoint, or start over with train.resume=false train.overwrite=true.")
+
+
+# ---------------------------------------------------------------- another run's outputs
+_OUTPUTS = (CKPT, FINAL, "metrics.jsonl", "plots", "profile.txt", "diverged.json")
+
+
+def previous_outputs(train_dir) -> list[Path]:
+    """What an earlier run left in ``train_dir`` that a fresh start must not mix with its own: its
+    checkpoints and ``final/``. (Its metrics alone, of a run stopped before any checkpoint, are replaced
+    by a fresh start as before.)"""
+    train_dir = Path(train_dir)
+    out = []
+    root = checkpoint_root(train_dir)
+    if root.is_dir() and any(root.iterdir()):
+        out.append(root)
+    if (train_dir / FINAL).exists():
+        out.append(train_dir / FINAL)
+    return out
+
+
+def remove_previous_outputs(train_dir, say=print) -> list[Path]:
+    """``train.overwrite``: remove everything an earlier training run wrote in ``train_dir`` (checkpoints,
+    ``final/``, metrics, plots, profile, divergence report) before this run writes anything."""
+    gone = []
+    for name in _OUTPUTS:
+        p = Path(train_dir) / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+        else:
+            continue
+        gone.append(p)
+    for p in Path(train_dir).glob(f".{FINAL}.*"):  # a final/ left half-written by a killed run
+        shutil.rmtree(p, ignore_errors=True)
+    if gone:
+        say("train.overwrite=true: removed the earlier run's " + ", ".join(str(p) for p in gone))
+    return gone
 
 
 def read_client_state(tag_dir: Path) -> dict:
@@ -175,15 +378,22 @@ def load_checkpoint(engine, tag_dir: Path, rank: int, world_size: int, zero_stag
     elif saved_world != world_size:
         say(f"{tag_dir.name} was written on {saved_world} rank(s), this run has {world_size}: ZeRO stage 0 keeps "
             f"the whole optimizer state on every rank, loading it as saved")
-    path, _ = engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    try:
+        path, _ = engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    except (OSError, RuntimeError, EOFError, KeyError, ValueError, zipfile.BadZipFile) as e:
+        # verified checkpoints do not get here damaged; one written before checksums may
+        raise CheckpointError(f"DeepSpeed could not load the checkpoint {src} ({type(e).__name__}: {e})") from e
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint {src}")
+        raise CheckpointError(f"DeepSpeed could not load the checkpoint {src}")
     steps_to_param_device(engine.optimizer)
     f = tag_dir / f"rank_{rank if saved_world == world_size else 0}.pt"
     if not f.is_file():
         raise ResumeMismatchError(f"{tag_dir} has no {f.name}: the checkpoint is incomplete")
-    return torch.load(f, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from e
 
 
 def steps_to_param_device(optimizer) -> int:
@@ -219,16 +429,35 @@ def _barrier():
 
 # ---------------------------------------------------------------- final/
 def save_final(train_dir, state_dict: dict, head_cfg: dict, meta: dict) -> Path:
-    """Plain safetensors of the head + head_config.json + meta.json (written atomically)."""
+    """Plain safetensors of the head + head_config.json + meta.json (with their sha256 under ``checksums``),
+    written into a temporary sibling and renamed into place as a whole: ``final/`` is the previous head
+    or the new one, never a mix or half of one."""
     from safetensors.torch import save_file
 
-    out = Path(train_dir) / FINAL
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in state_dict.items()}
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "specheads.train"})
-    os.replace(tmp, out / WEIGHTS)
-    write_json_atomic(out / HEAD_CONFIG, head_cfg)
-    write_json_atomic(out / META, meta)
+    train_dir = Path(train_dir)
+    out = train_dir / FINAL
+    train_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{FINAL}.tmp-", dir=train_dir))
+    old = None
+    try:
+        tensors = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
+                   for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "specheads.train"})
+        write_json_atomic(tmp / HEAD_CONFIG, head_cfg)
+        sums = {name: file_sha256(tmp / name, fsync=True) for name in (WEIGHTS, HEAD_CONFIG)}
+        write_json_atomic(tmp / META, {**meta, "checksums": sums})
+        fsync_dir(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{FINAL}.old-", dir=train_dir))
+            os.rmdir(old)
+            os.rename(out, old)
+        os.rename(tmp, out)
+        fsync_dir(train_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and old.exists() and not out.exists():
+            os.rename(old, out)  # put the previous head back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return out

@@ -34,9 +34,11 @@ import torch
 import torch.distributed as dist
 
 from specheads.dump.feed import make_feed
+from specheads.errors import SpecheadsError
+from specheads.formats.trained import file_sha256
 from specheads.heads.lora import merged_state_dict
 from specheads.rundir import (RunDir, check_stage_inputs, client_state, compare_fingerprints, recipe_hash,
-                              resume_fingerprint)
+                              resume_fingerprint, stage_lock)
 from specheads.target import load_target_for
 
 from . import checkpoint as ckpt
@@ -52,6 +54,52 @@ log = logging.getLogger("specheads.train")
 
 
 # ---------------------------------------------------------------- the run
+def _input_files(recipe) -> dict:
+    """The input files a run's lineage records, by name (those that exist): the dump's ``manifest.json``
+    (offline) or the token rows' ``summary.json`` (online), and the draft vocabulary (EAGLE-3)."""
+    from specheads.data.prepare import SUMMARY_FILE
+    from specheads.data.vocab import VOCAB_TENSORS
+    from specheads.dump.store import MANIFEST
+
+    rd = RunDir(recipe)
+    files = ({"dump_manifest": rd.dump / MANIFEST} if recipe.dump.mode == "offline"
+             else {"rows_summary": rd.rows / SUMMARY_FILE})
+    if recipe.head.kind == "eagle3":
+        files["vocab"] = rd.vocab / VOCAB_TENSORS
+    return files
+
+
+def input_digests(recipe) -> dict:
+    """{name: {path, sha256} or None} of :func:`_input_files`: ``final/meta.json``'s ``inputs``; the
+    sha256 values also join the resume fingerprint as ``inputs.<name>_sha256``."""
+    return {k: ({"path": str(f), "sha256": file_sha256(f)} if f.is_file() else None)
+            for k, f in _input_files(recipe).items()}
+
+
+class StaleDumpError(SpecheadsError, ValueError):
+    """The hidden-state store was made from other token rows than the ones at ``RunDir(recipe).rows`` now."""
+
+
+def _check_dump_rows(recipe) -> None:
+    """Refuse a dump whose manifest records another digest of the token rows' ``summary.json`` than the
+    rows now have (the rows were prepared anew after the dump). Stores that record none, or rows that are
+    gone, cannot be compared and pass."""
+    from specheads.data.prepare import SUMMARY_FILE
+    from specheads.dump.reader import open_manifest
+
+    rd = RunDir(recipe)
+    summary = rd.rows / SUMMARY_FILE
+    recorded = open_manifest(rd.dump).get("rows_summary_sha256")
+    if recorded is None or not summary.is_file():
+        return
+    now = file_sha256(summary)
+    if now != recorded:
+        raise StaleDumpError(
+            f"{rd.dump} was made from token rows whose {SUMMARY_FILE} had sha256 {recorded}, but {summary} now "
+            f"has sha256 {now}: the rows were prepared again after the dump; rerun `specheads dump RECIPE` "
+            f"(or point dump.dir at a store made from these rows)")
+
+
 def _check_inputs(recipe) -> None:
     """A missing or stale store, token rows or draft vocabulary fails here, before any weights load."""
     from specheads.data.stage import check_rows, check_vocab
@@ -66,6 +114,8 @@ def _check_inputs(recipe) -> None:
         check_rows(recipe)
     if recipe.head.kind == "eagle3":
         check_vocab(recipe)
+    if recipe.dump.mode == "offline":
+        _check_dump_rows(recipe)
 
 
 def _load_target(recipe, device):
@@ -75,6 +125,7 @@ def _load_target(recipe, device):
     return load_target_for(recipe, device=dev, require_chat_template=False)
 
 
+@stage_lock("train")
 def run_train(recipe, target=None, feed=None, eval_feed=None, *, vocab=None, progress: bool = True) -> dict:
     """Train the head the recipe describes; returns a summary dict (see :func:`_train`)."""
     with distributed():
@@ -104,6 +155,8 @@ class Run:
     identity: dict  # Target.identity()
     fingerprint: dict  # what a resumed run must share with its checkpoint
     t_start: float
+    resume_from: Path | None = None  # the checkpoint _resume loads (chosen and verified in _setup); None: fresh
+    inputs: dict | None = None  # input_digests(recipe): the lineage final/meta.json records
     logger: RunLogger | None = None
     state_bytes: int | None = None  # device memory DeepSpeed's initialize took: head weights, fp32 masters, Adam
 
@@ -124,7 +177,7 @@ class Run:
                 "recipe": self.recipe.to_dict(), "recipe_hash": recipe_hash(self.recipe),
                 "lora": self.recipe.head.lora.model_dump(mode="json") if built.lora else None,
                 "warm_start": built.warm_start and {k: built.warm_start[k] for k in ("path", "format")},
-                "precision": self.precision, "world_size": self.world, **(extra or {})}
+                "precision": self.precision, "world_size": self.world, "inputs": self.inputs, **(extra or {})}
 
     def evaluate(self, step: int) -> dict | None:
         """Loss and accuracy over the held-out feed, logged as an ``eval`` row; None without one."""
@@ -184,6 +237,8 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     device = device_for(int(os.environ.get("LOCAL_RANK", "0")))
     tcfg = recipe.train
     train_dir = RunDir(recipe).train
+    # which checkpoint to resume (verified), or a refusal, before any weights load
+    resume_from = _on_rank0(lambda: _choose_start(recipe, train_dir), rank, world, device)
     if rank == 0:
         train_dir.mkdir(parents=True, exist_ok=True)
     random.seed(recipe.seed)
@@ -195,6 +250,8 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
         if feed is None:
             _check_inputs(recipe)
         target = _load_target(recipe, device)
+    elif feed is None and recipe.dump.mode == "offline":
+        _check_dump_rows(recipe)
     built = build_head(recipe, target, vocab)
     cfg = built.cfg
     feed, eval_feed = _feeds(recipe, target, feed, eval_feed, rank, world)
@@ -213,37 +270,84 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     total = total_steps(recipe, len(feed))
     sched = LRLambda(total, tcfg.warmup_steps, tcfg.scheduler, tcfg.min_lr_ratio)
     ds_cfg = deepspeed_config(recipe, precision)
-    if tcfg.resume and ckpt.needs_universal(ckpt.latest_checkpoint(train_dir), world, tcfg.zero_stage):
+    if ckpt.needs_universal(resume_from, world, tcfg.zero_stage):
         ds_cfg["checkpoint"] = {"load_universal": True}  # _resume re-shards ZeRO states written on another world size
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     engine, _, scheduler = initialize(objective, ds_cfg, sched, tcfg, device, rank)
     # this rank's share of the trained state (ZeRO partitions it), before any activation exists
     state_bytes = torch.cuda.memory_allocated(device) - before if before is not None else None
     identity = dict(target.identity())
+    inputs = input_digests(recipe)
+    fingerprint = {**resume_fingerprint(recipe, identity, built.d2t, world, precision),
+                   **{f"inputs.{k}_sha256": v and v["sha256"] for k, v in inputs.items()}}
     return Run(recipe=recipe, rank=rank, world=world, device=device, train_dir=train_dir, precision=precision,
                built=built, feed=feed, eval_feed=eval_feed, total=total, K=K, target_logits=target_logits,
                target_hidden=int(target.hidden_size), engine=engine, scheduler=scheduler, identity=identity,
-               fingerprint=resume_fingerprint(recipe, identity, built.d2t, world, precision),
-               t_start=t_start, state_bytes=state_bytes)
+               fingerprint=fingerprint, t_start=t_start, state_bytes=state_bytes, resume_from=resume_from,
+               inputs=inputs)
+
+
+def _on_rank0(fn, rank: int, world: int, device):
+    """``fn()`` run on rank 0 only; its result, or the :class:`SpecheadsError` it raised, on every rank."""
+    if world == 1 or not dist.is_initialized():
+        return fn()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except SpecheadsError as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def _choose_start(recipe, train_dir: Path) -> Path | None:
+    """The verified checkpoint to resume (``train.resume``), or None for a fresh start.
+
+    A fresh start over another run's checkpoints or ``final/`` is refused naming them, unless
+    ``train.overwrite`` (they are then removed in :func:`_train`, just before the first write): a new run
+    killed before it ends must not leave the old ``final/`` for ``specheads export`` to publish."""
+    if recipe.train.resume:
+        tag = ckpt.select_checkpoint(train_dir, say=lambda m: say(m, 0))
+        if tag is not None:
+            named = ckpt.latest_checkpoint(train_dir)
+            if named is None or named.resolve() != tag.resolve():
+                ckpt.write_latest(train_dir, tag.name)  # `latest` names the newest checkpoint that verifies
+            return tag
+    old = ckpt.previous_outputs(train_dir)
+    if old and not recipe.train.overwrite:
+        why = ("train.resume=false" if not recipe.train.resume
+               else f"train.resume=true but there is no checkpoint under {ckpt.checkpoint_root(train_dir)}")
+        raise ckpt.PreviousRunError(
+            f"{train_dir} holds another run's outputs: {', '.join(str(p) for p in old)}; {why} would start a new "
+            f"run over them. Pass train.overwrite=true to remove them first, train.resume=true to continue "
+            f"that run, or use another train.out / run_dir.")
+    if recipe.train.resume:
+        say(f"train.resume=true but no checkpoint under {ckpt.checkpoint_root(train_dir)}: starting fresh", 0)
+    return None
 
 
 def _resume(run: Run) -> int | None:
-    """With ``train.resume``, load the latest checkpoint (weights, optimizer, scheduler, feed
-    position, RNG) after checking its fingerprint; returns its step, or None for a fresh start.
+    """Load the checkpoint :func:`_choose_start` chose and verified (``train.resume``: the one ``latest``
+    names, or the newest that verifies; see :func:`~specheads.train.checkpoint.select_checkpoint`) -- weights,
+    optimizer, scheduler, feed position, RNG -- after checking its fingerprint (settings and the digests
+    of its inputs); returns its step, or None for a fresh start.
     The checkpoint may come from another number of ranks when ranks × ``train.grad_accum`` is the same
     (see :mod:`specheads.train.checkpoint`)."""
-    tag = ckpt.latest_checkpoint(run.train_dir)
-    root = ckpt.checkpoint_root(run.train_dir)
-    if not run.recipe.train.resume:
-        if tag is not None:
-            say(f"{root} holds checkpoints of an earlier run; train.resume=false: "
-                 f"starting over (they will be overwritten)", run.rank)
-        return None
+    tag = run.resume_from
     if tag is None:
-        say(f"train.resume=true but no checkpoint under {root}: starting fresh", run.rank)
         return None
     saved = ckpt.read_client_state(tag)
-    compare_fingerprints(saved["fingerprint"], run.fingerprint, str(tag))
+    fp = dict(saved["fingerprint"])
+    legacy = [k for k in run.fingerprint if k.startswith("inputs.") and k not in fp]
+    if legacy:  # written before input digests were recorded: nothing to compare them with
+        say(f"{tag} records no digests of its inputs ({', '.join(legacy)}): resuming without checking them",
+            run.rank)
+        fp.update({k: run.fingerprint[k] for k in legacy})
+    compare_fingerprints(fp, run.fingerprint, str(tag))
     rank_state = ckpt.load_checkpoint(run.engine, tag, run.rank, run.world, run.recipe.train.zero_stage,
                                       say=lambda m: say(m, run.rank))
     if hasattr(run.feed, "load_state_dict") and rank_state.get("feed") is not None:
@@ -335,6 +439,11 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
     """Setup, resume, then optimizer steps (logging, eval and checkpoints on their schedules);
     a last eval, checkpoint and ``final/``. Returns the run's summary."""
     run = _setup(recipe, target, feed, eval_feed, vocab)
+    if run.resume_from is None and recipe.train.overwrite:
+        if run.rank == 0:  # the earlier run's outputs go before this run writes anything
+            ckpt.remove_previous_outputs(run.train_dir, say=lambda m: say(m, 0))
+        if dist.is_initialized():
+            dist.barrier()
     resume_step = _resume(run)
     step = resume_step or 0
     tcfg = recipe.train

@@ -42,9 +42,9 @@ class RunLogger:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.is_file():
-            # Drop what an interrupted run logged past the checkpoint we resume from.
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            # Drop what an interrupted run logged past the checkpoint we resume from (and a torn or bad line,
+            # named by _scan: it holds no step to keep).
+            keep = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
             self.path.write_text("".join(k + "\n" for k in keep))
         elif resume_step is None and self.path.is_file():
             self.path.unlink()
@@ -103,10 +103,38 @@ class RunLogger:
 
 
 def read_metrics(path) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (or of the one in a train directory), in order.
+
+    A run killed mid-write leaves a torn last line: it is skipped, and said. A bad line elsewhere (not a JSON
+    object) is skipped and named with its line number, so that a plot or a summary still reads every good row.
+    """
     p = Path(path)
     if p.is_dir():
         p = p / METRICS
-    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+    rows, bad, torn = [], [], None
+    data = p.read_bytes()
+    lines = data.split(b"\n")
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif n == len(lines):  # the last line, without a newline: a write cut short
+            torn = (n, len(line))
+        else:
+            bad.append(n)
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        log.warning("%s: skipped %d bad line(s) (not a JSON object): line %s; read %d good row(s)",
+                    p, len(bad), shown, len(rows))
+    if torn is not None:
+        log.warning("%s: skipped a torn last line (line %d, %d bytes without a newline: a write cut short)",
+                    p, *torn)
+    return rows
 
 
 def plot_metrics(metrics_path, out_dir) -> list[Path]:
