@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from specheads.errors import SpecheadsError
 from specheads.rundir import stage_input_diff
-from specheads.fileio import fsync_dir, tmp_path_for, write_json_atomic
+from specheads.fileio import (disk_full_class, disk_full_guard, free_bytes, fsync_dir, is_disk_full, tmp_path_for,
+                              write_json_atomic)
 
-import errno
 import json
 import os
 import sys
@@ -61,7 +61,8 @@ def check_settings(out: Path, doc: dict, error: type[Exception], out_key: str, c
                     f"choose another {out_key}")
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(meta_path(out), doc)
+        with disk_full_guard(meta_path(out), error=error, kept=f"nothing was generated yet ({out} is untouched)"):
+            write_json_atomic(meta_path(out), doc)
 
 
 def bad_path(out: Path) -> Path:
@@ -188,7 +189,9 @@ def append_rows(f, out: Path, rows: list[dict], error: type[Exception], safe: st
         f.flush()
         os.fsync(f.fileno())
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise error(f"disk full while writing {out}; {safe} are safely written, "
-                        f"rerun the same command to resume") from e
+        if is_disk_full(e):
+            free = free_bytes(out)
+            raise disk_full_class(error)(
+                f"disk full while writing {out}; {safe} are safely written, rerun the same command to resume "
+                f"(a torn last line is cut off then; {'unknown' if free is None else free} bytes free)") from e
         raise

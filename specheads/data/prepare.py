@@ -7,32 +7,42 @@ answers cut off by ``max_length``) and writes
 
     out_dir/            datasets.Dataset.save_to_disk layout
         summary.json    counts (see prepare_rows)
+        checksums.json  sha256 and size of every other file, checked by every reader (load_rows)
 
 Columns: ``input_ids`` (list of int32), ``loss_mask`` (list of uint8),
 ``conv_id``, ``source`` (the source's path as given), ``category`` (str or
 null). Everything is written into a temporary sibling directory and renamed
 into place at the end, so ``out_dir`` is either the complete previous result
-or the complete new one, never half-written.
+or the complete new one, never half-written; a full disk says so (``DiskFullError``)
+and keeps the previous rows. Readers (vocab, dump, the online feed: all through
+:func:`load_rows`) refuse a file whose sha256 differs from ``checksums.json``
+(:class:`RowsCorruptError`, naming the file and both digests).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from specheads.errors import MissingInputError
+from specheads.errors import MissingInputError, SpecheadsError
+from specheads.fileio import disk_full_guard, publish_dir, sha256_file, write_json_atomic
 from .formats import load_conversations, quiet_datasets
 from .sources import split_holdout
 from .template import tokenize_conversation, tokenizer_name
 
-__all__ = ["prepare_rows", "load_rows", "load_summary", "rows_features", "SUMMARY_FILE"]
+__all__ = ["prepare_rows", "load_rows", "load_summary", "rows_features", "verify_rows", "RowsCorruptError",
+           "SUMMARY_FILE", "CHECKSUMS_FILE"]
+
+log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
+CHECKSUMS_FILE = "checksums.json"  # sha256 and size of every other file of the rows
 
 
 def rows_features():
@@ -201,37 +211,126 @@ def _tokenize_sources(loaded: list[tuple], tokenizer, max_length: int, chat_temp
     return columns, per_source, totals
 
 
+def _leftovers(out_dir: Path) -> list[Path]:
+    """What killed runs of prepare left beside ``out_dir``: ``.NAME.tmp-*`` and ``.NAME.old-*``."""
+    if not out_dir.parent.is_dir():
+        return []
+    return sorted(p for p in out_dir.parent.iterdir()
+                  if p.name.startswith((f".{out_dir.name}.tmp-", f".{out_dir.name}.old-")))
+
+
+def _clear_leftovers(out_dir: Path) -> None:
+    """Remove a killed prepare's partial siblings of ``out_dir``; a previous result moved aside by one that was
+    killed before renaming the new rows in is put back first."""
+    left = _leftovers(out_dir)
+    olds = [p for p in left if p.name.startswith(f".{out_dir.name}.old-") and (p / SUMMARY_FILE).is_file()]
+    if olds and not out_dir.exists():
+        keep = max(olds, key=lambda p: p.stat().st_mtime)
+        os.rename(keep, out_dir)
+        left.remove(keep)
+        log.warning("restored %s from %s (a prepare was killed while replacing it)", out_dir, keep.name)
+    for p in left:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def rows_checksums(d: Path, *, fsync: bool = False) -> dict:
+    """``{"format", "files": {relative path: {"sha256", "bytes"}}}`` of every file in the rows directory ``d``
+    but ``checksums.json`` itself (the Arrow files, ``dataset_info.json``, ``state.json``, ``summary.json``)."""
+    files = {}
+    for f in sorted(p for p in Path(d).rglob("*") if p.is_file()):
+        rel = f.relative_to(d).as_posix()
+        if rel == CHECKSUMS_FILE:
+            continue
+        if fsync:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        files[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    return {"format": "specheads-rows-checksums", "version": 1, "files": files}
+
+
 def _write_rows(ds, summary: dict, out_dir: Path) -> None:
-    """``ds`` and ``summary.json`` at ``out_dir``, written beside it and renamed into place (a previous
-    result is replaced only once the new one is complete, and put back if the rename fails)."""
+    """``ds``, ``summary.json`` and ``checksums.json`` (the sha256 of every other file) at ``out_dir``, written
+    into a temporary sibling and renamed into place whole (:func:`specheads.fileio.publish_dir`): a previous
+    result is replaced only once the new one is complete. A full disk is a ``DiskFullError`` naming the file,
+    the bytes needed and free; the temporary sibling is removed and the previous rows are kept."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(out_dir)
+    had_rows = (out_dir / SUMMARY_FILE).is_file()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
+
+    def kept() -> str:
+        return (f"the partial rows were removed and the previous token rows at {out_dir} are unchanged" if had_rows
+                else f"the partial rows were removed; nothing was written to {out_dir}")
+
     try:
-        with quiet_datasets():  # one line of summary says what was written
-            ds.save_to_disk(str(tmp))
-        (tmp / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.rmdir(old)
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-    except BaseException:
+        with disk_full_guard(out_dir, staging=tmp, kept=kept, needed=lambda: int(ds.data.nbytes) or None,
+                             cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+            with quiet_datasets():  # one line of summary says what was written
+                ds.save_to_disk(str(tmp))
+            write_json_atomic(tmp / SUMMARY_FILE, summary)
+            write_json_atomic(tmp / CHECKSUMS_FILE, rows_checksums(tmp, fsync=True))
+            publish_dir(tmp, out_dir)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists() and not out_dir.exists():
-            os.rename(old, out_dir)  # put the previous result back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    _VERIFIED.pop(str(out_dir.resolve()), None)
+
+
+class RowsCorruptError(SpecheadsError, ValueError):
+    """A file of the token rows does not match the sha256 ``data prepare`` recorded (changed, truncated or
+    missing): the rows must be prepared again."""
+
+
+_VERIFIED: dict[str, tuple] = {}  # rows directories verified by this process, by their files' (size, mtime)
+
+
+def _signature(path: Path) -> tuple:
+    return tuple((f.relative_to(path).as_posix(), f.stat().st_size, f.stat().st_mtime_ns)
+                 for f in sorted(path.rglob("*")) if f.is_file())
+
+
+def verify_rows(path: str | Path) -> bool:
+    """Check every file of the token rows at ``path`` against its recorded sha256 (``checksums.json``);
+    :class:`RowsCorruptError` naming the file and both digests on a mismatch. False (with a warning) for rows
+    prepared before checksums existed. A directory already verified by this process and unchanged since
+    (sizes and mtimes) is not read again."""
+    path = Path(path)
+    f = path / CHECKSUMS_FILE
+    if not f.is_file():
+        log.warning("%s has no %s (prepared before rows were checksummed): not verified; rerun "
+                    "`specheads data prepare` to add it", path, CHECKSUMS_FILE)
+        return False
+    key, sig = str(path.resolve()), _signature(path)
+    if _VERIFIED.get(key) == sig:
+        return True
+    try:
+        recorded = json.loads(f.read_text())["files"]
+        assert isinstance(recorded, dict)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise RowsCorruptError(f"{f}: unreadable ({type(e).__name__}: {e}); rerun `specheads data prepare`") from None
+    for name, rec in sorted(recorded.items()):
+        want = rec.get("sha256") if isinstance(rec, dict) else rec
+        p = path / name
+        if not p.is_file():
+            raise RowsCorruptError(f"token rows {path}: {name} is missing ({CHECKSUMS_FILE} records sha256 "
+                                   f"{want}); rerun `specheads data prepare`")
+        have = sha256_file(p)
+        if have != want:
+            raise RowsCorruptError(f"token rows {path}: {name} has sha256 {have}, but {CHECKSUMS_FILE} records "
+                                   f"{want}: the file changed after `specheads data prepare` wrote it (damaged "
+                                   f"or edited); rerun `specheads data prepare`")
+    _VERIFIED[key] = sig
+    return True
 
 
 def load_rows(path: str | Path):
-    """The token rows written by :func:`prepare_rows` (a ``datasets.Dataset``)."""
+    """The token rows written by :func:`prepare_rows` (a ``datasets.Dataset``), verified against their
+    ``checksums.json`` first (:func:`verify_rows`)."""
     import datasets
 
     path = Path(path)
     if not (path / SUMMARY_FILE).exists():
         raise MissingInputError(f"no token rows at {path} (missing {SUMMARY_FILE}; run the data stage first)")
+    verify_rows(path)
     return datasets.load_from_disk(str(path))
 
 

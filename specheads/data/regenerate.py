@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from specheads.errors import SpecheadsError
-from specheads.fileio import write_json_atomic
+from specheads.fileio import disk_full_guard, write_json_atomic
 from specheads.rundir import RunDir, stage_inputs, stage_lock
 
 from .appendlog import append_rows, check_recipe_inputs, check_settings, read_rows
@@ -155,7 +155,10 @@ def run_regenerate(recipe, target=None) -> dict:
                "batch_size": g.batch_size, "device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
                "drafter": g.head, "compiled": g.compile}
     # this run's figures beside the output (a resumed run writes its own part's)
-    write_json_atomic(out.parent / SUMMARY_NAME, summary)
+    with disk_full_guard(out.parent / SUMMARY_NAME, error=RegenerateError,
+                         kept=f"every regenerated conversation is safely written to {out}; only this summary "
+                              f"is missing"):
+        write_json_atomic(out.parent / SUMMARY_NAME, summary)
     print(f"regenerated {written['conversations']} conversations ({written['tokens']} tokens, "
           f"{summary['tokens_per_s']:.0f} tok/s); {len(done)} already done, {stats['empty']} empty and "
           f"{written['skipped_overlong']} overlong prompts skipped, {stats['held_out']} held out -> {out}")

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from specheads.config import CopyTask, SeedCategory
 from specheads.errors import SpecheadsError
-from specheads.fileio import write_json_atomic
+from specheads.fileio import disk_full_guard, write_json_atomic
 from specheads.rundir import RunDir, stage_inputs, stage_lock
 
 import hashlib
@@ -673,8 +673,13 @@ def _finish(cfg, out: Path, drop_out: Path, kept: list, dropped: list, already: 
                "tokens_per_s": tokens / elapsed if elapsed else 0.0,
                "stopped_at_attempt_limit": len(kept) < cfg.num_prompts}
     summary_path = out.parent / SUMMARY_NAME
-    write_json_atomic(summary_path, summary)
-    plot_categories(summary, out.parent / PLOT_NAME)
+    with disk_full_guard(summary_path, error=SynthesizeError,
+                         kept=f"every synthesized prompt is safely written to {out}; only this summary is missing"):
+        write_json_atomic(summary_path, summary)
+    with disk_full_guard(out.parent / PLOT_NAME, error=SynthesizeError,
+                         kept=f"every synthesized prompt is safely written to {out} and the summary to {summary_path}; "
+                              f"only the plot is missing"):
+        plot_categories(summary, out.parent / PLOT_NAME)
     reasons = ", ".join(f"{k} {v}" for k, v in summary["dropped"].items()) or "none"
     print(f"synthesized {summary['written']} prompts ({summary['written'] - already} this run, {tokens} tokens, "
           f"{summary['tokens_per_s']:.0f} tok/s); dropped {summary['dropped_total']} ({reasons}); near-duplicate "

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from specheads.errors import SpecheadsError
+from specheads.fileio import disk_full_guard, fsync_dir, write_json_atomic
 
 __all__ = ["VocabError", "select_draft_vocab", "count_masked_tokens", "save_vocab", "load_vocab", "VOCAB_TENSORS", "VOCAB_JSON"]
 
@@ -122,8 +123,9 @@ def select_draft_vocab(rows: Iterable, draft_vocab_size: int, target_vocab_size:
 
 
 def save_vocab(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, stats: dict) -> Path:
-    """Write ``vocab.safetensors`` (d2t int64, t2d bool) and ``vocab.json``; each
-    file is written to a temporary name first and renamed."""
+    """Write ``vocab.safetensors`` (d2t int64, t2d bool) and ``vocab.json``: both are written to temporary
+    names first and renamed only once both are complete (a previous pair is never mixed with a new one).
+    A full disk is a ``DiskFullError`` naming the file; the temporary files go, the previous vocabulary stays."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -133,18 +135,31 @@ def save_vocab(out_dir: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, stats:
     if t2d.ndim != 1 or d2t.ndim != 1 or int(t2d.sum()) != d2t.numel():
         raise VocabError(f"inconsistent d2t {tuple(d2t.shape)} / t2d (true entries: {int(t2d.sum())})")
     meta = {"draft_vocab_size": str(d2t.numel()), "target_vocab_size": str(t2d.numel())}
-    for name, write in (
-        (VOCAB_TENSORS, lambda p: save_file({"d2t": d2t, "t2d": t2d}, str(p), metadata=meta)),
-        (VOCAB_JSON, lambda p: Path(p).write_text(json.dumps(stats, indent=2) + "\n")),
-    ):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-        os.close(fd)
-        try:
-            write(tmp)
+    had = (out_dir / VOCAB_TENSORS).is_file()
+    staged: list[tuple[Path, str]] = []
+
+    def drop_staged() -> None:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+
+    kept = (f"the temporary files were removed and the previous vocabulary in {out_dir} is unchanged" if had
+            else f"the temporary files were removed; no vocabulary was written to {out_dir}")
+    try:
+        for name, write, size in (
+            (VOCAB_TENSORS, lambda p: save_file({"d2t": d2t, "t2d": t2d}, str(p), metadata=meta),
+             d2t.numel() * 8 + t2d.numel() + 1024),
+            (VOCAB_JSON, lambda p: write_json_atomic(p, stats), None),
+        ):
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+            os.close(fd)
+            staged.append((Path(tmp), name))
+            with disk_full_guard(out_dir / name, kept=kept, needed=size, cleanup=drop_staged):
+                write(tmp)
+        for tmp, name in staged:
             os.replace(tmp, out_dir / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        fsync_dir(out_dir)
+    finally:
+        drop_staged()
     return out_dir
 
 

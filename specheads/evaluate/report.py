@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 from pathlib import Path
+
+from specheads.fileio import disk_full_guard, publish_dir
 
 
 def _fmt(x, nd=2) -> str:
@@ -207,11 +211,73 @@ def _json_safe(x):
     return x
 
 
+REPORT_FILES = ("report.json", "report.md")
+
+
+def _report_entry(p: Path) -> bool:
+    """A file of a report (replaced by the next one); anything else in the directory (``vllm/``) is carried over."""
+    return p.name in REPORT_FILES or (p.suffix == ".png" and p.is_file())
+
+
+def _staging(out: Path) -> Path:
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def _recover(out: Path) -> None:
+    """What a killed write_report left beside ``out``: entries it had carried over into its temporary sibling go
+    back into ``out``; the rest of the sibling is removed."""
+    if not out.parent.is_dir():
+        return
+    for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")):
+        if out.is_dir():
+            for p in tmp.iterdir():
+                if not _report_entry(p) and not (out / p.name).exists():
+                    os.rename(p, out / p.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
+    """report.json, report.md and the plots, written into a temporary sibling of ``out_dir`` and published
+    whole (:func:`specheads.fileio.publish_dir`): ``out_dir`` holds the previous report or the new one, never a
+    mix. Other entries of ``out_dir`` (``vllm/``: vLLM's work and target copy) are moved over (renames). A full
+    disk is a ``DiskFullError`` naming the file; the temporary sibling goes and the previous report stays."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _recover(out)
+    tmp = _staging(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    had = (out / "report.json").is_file()
+    moved: list[str] = []
+
+    def undo() -> None:  # carried-over entries go back, the partial report goes
+        for name in moved:
+            if (tmp / name).exists() and not (out / name).exists():
+                os.rename(tmp / name, out / name)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    kept = (f"the partial report was removed and the previous report in {out} is unchanged" if had
+            else f"the partial report was removed; no report was written to {out}")
     report = dict(report)
-    report["plots"] = write_plots(report, out)
-    (out / "report.json").write_text(json.dumps(_json_safe(report), indent=2, default=str))
-    (out / "report.md").write_text(render_markdown(report))
+    with disk_full_guard(out, staging=tmp, kept=kept, cleanup=undo):
+        try:
+            tmp.mkdir()
+            report["plots"] = [str(out / Path(p).name) for p in write_plots(report, tmp)]
+            _write_durable(tmp / "report.json", json.dumps(_json_safe(report), indent=2, default=str))
+            _write_durable(tmp / "report.md", render_markdown(report))
+            if out.is_dir():
+                for p in sorted(out.iterdir()):
+                    if not _report_entry(p):
+                        os.rename(p, tmp / p.name)
+                        moved.append(p.name)
+            publish_dir(tmp, out)
+        except BaseException:
+            undo()
+            raise
     return {"json": str(out / "report.json"), "md": str(out / "report.md"), "plots": report["plots"]}
+
+
+def _write_durable(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

@@ -23,9 +23,7 @@ Every user-facing failure is an ``ExportError`` with a one-line message.
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -38,7 +36,7 @@ import torch
 
 from specheads.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
 from specheads.formats import card
-from specheads.fileio import fsync_dir, write_json_atomic
+from specheads.fileio import disk_full_guard, exchange_dirs, fsync_dir, write_json_atomic
 from specheads.formats.common import (DTYPES, SIDE_FILE, ExportError, ExportMeta, read_json, read_side,
                                       tensor_shapes_dtypes)
 from specheads.formats.convert import MODULES, detect_format, load_any, save
@@ -369,26 +367,7 @@ def clear_leftovers(out: Path) -> None:
         print(f"specheads: removed {p} (left by a killed export)", file=sys.stderr, flush=True)
 
 
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where that is unavailable."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    at_fdcwd = -100
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+_exchange = exchange_dirs  # a module name of its own, so a test can take the fallback path
 
 
 def publish(tmp: Path, out: Path) -> None:
@@ -419,26 +398,32 @@ def _check_out(out: Path) -> None:
         raise ExportError(f"{out}: output directory exists and is not an export directory; choose another --out")
 
 
-def _write_sealed(out: Path, write, lineage: dict | None):
+def _write_sealed(out: Path, write, lineage: dict | None, needed: int | None = None):
     """Run ``write(tmp)`` (which writes and validates the export in ``tmp``, returning its report), seal the
     result and publish it as ``out``; nothing of it stays when anything fails, and ``out`` is left as it was
-    when the report is not ok (ExportError)."""
+    when the report is not ok (ExportError). A full disk is a ``DiskFullError`` (an ``ExportError`` too)
+    naming the file, about ``needed`` bytes and the bytes free, saying the previous export is unchanged."""
     if out.is_symlink():  # publish into the folder it names; the link stays
         out = out.resolve()
     clear_leftovers(out)
     tmp = _staging(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        rep = write(tmp)
-        rep.dir = str(out)
-        rep.errors = [e.replace(str(tmp), str(out)) for e in rep.errors]
-        rep.warnings = [w.replace(str(tmp), str(out)) for w in rep.warnings]
-        if rep.ok:
-            seal(tmp, lineage)
-            publish(tmp, out)
-        return rep
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    had = (out / "config.json").is_file()
+    kept = (f"the temporary directory {tmp.name} was removed and the previous export at {out} is unchanged" if had
+            else f"the temporary directory {tmp.name} was removed; nothing was published at {out}")
+    with disk_full_guard(out, staging=tmp, kept=kept, needed=needed, error=ExportError,
+                         cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        try:
+            rep = write(tmp)
+            rep.dir = str(out)
+            rep.errors = [e.replace(str(tmp), str(out)) for e in rep.errors]
+            rep.warnings = [w.replace(str(tmp), str(out)) for w in rep.warnings]
+            if rep.ok:
+                seal(tmp, lineage)
+                publish(tmp, out)
+            return rep
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @stage_lock("export")
@@ -475,7 +460,7 @@ def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
         lines.extend(summary_lines(out, rep, meta, fmt, files_in=tmp))
         return rep
 
-    rep = _write_sealed(out, write, lineage_of(source or RunDir(recipe).train))
+    rep = _write_sealed(out, write, lineage_of(source or RunDir(recipe).train), needed=_head_bytes(head, dt))
     if rep.ok:
         lines = summary_lines(out, rep, meta, fmt)  # the files as published (the side file sealed)
     if echo:
@@ -487,6 +472,12 @@ def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
         raise ExportError(f"{out}: failed validation, so not published (any previous export there is unchanged): "
                           + "; ".join(rep.errors))
     return out
+
+
+def _head_bytes(head, dtype) -> int:
+    """About the bytes an export of ``head`` in ``dtype`` takes (its floating tensors cast, the rest as held)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum(t.numel() * (item if t.is_floating_point() else t.element_size()) for t in head.state_dict().values())
 
 
 def _atol(dtype) -> float | None:
@@ -533,7 +524,7 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
                "sha256_by": by, "made_from": side.get("lineage")}
     with output_lock(out, "export"):
         _check_out(out)
-        rep = _write_sealed(out, write, lineage)
+        rep = _write_sealed(out, write, lineage, needed=_head_bytes(head, dt))
     if rep.ok:
         lines = summary_lines(out, rep, meta, fmt)
     if echo:

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from specheads.errors import SpecheadsError
-from specheads.fileio import fsync_dir, write_json_atomic
+from specheads.fileio import disk_full_guard, fsync_dir, write_json_atomic
 from specheads.formats.trained import (CHECKSUMS, CKPT, CLIENT, FINAL, HEAD_CONFIG, LATEST, META, WEIGHTS,
                                        TrainedHeadError, checksum_problems, compute_checksums, file_sha256,
                                        read_checksums)
@@ -152,15 +152,42 @@ def write_latest(train_dir, tag: str) -> None:
     fsync_dir(root)
 
 
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
+
+
+def _kept_checkpoint(train_dir, tag: str) -> str:
+    """What a failed save of ``tag`` leaves to resume from, for the disk-full message."""
+    prev = latest_checkpoint(train_dir)
+    if prev is not None and prev.name != tag:
+        return (f"the partial {tag} was removed and {checkpoint_root(train_dir) / LATEST} still names the previous "
+                f"checkpoint {prev.name}, which is kept: free space and rerun with train.resume=true to resume from it")
+    return (f"the partial {tag} was removed; there is no earlier checkpoint, so a rerun starts from step 0: "
+            f"free space and rerun the same command")
+
+
 def save_checkpoint(engine, train_dir, step: int, client: dict, rank_state: dict, rank: int,
                     head_cfg: dict, meta: dict) -> Path:
     """All ranks call this (DeepSpeed collective). ``client`` must be JSON-able.
 
     Order: every rank's files and DeepSpeed's save, a barrier, then rank 0 writes ``checksums.json``
-    (covering all ranks' files) and only then advances ``latest``."""
+    (covering all ranks' files) and only then advances ``latest``. A full disk anywhere in it is a
+    ``DiskFullError``: the partial ``step_N`` is removed (by rank 0), ``latest`` is not advanced, and the
+    message names the previous checkpoint a resume continues from. (With several ranks, the rank that hit the
+    full disk exits; the launcher stops the others.)"""
     root = checkpoint_root(train_dir)
     tag = f"step_{step}"
     tag_dir = root / tag
+    prev = latest_checkpoint(train_dir)
+    # about as much as the previous checkpoint took
+    needed = (lambda: _dir_bytes(prev) if prev is not None and prev.is_dir() and prev != tag_dir else None)
+
+    def drop_partial() -> None:
+        if rank == 0:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+            for t in root.glob(f".{LATEST}.tmp"):
+                t.unlink(missing_ok=True)
+
     if rank == 0:
         # a step_N left by an earlier attempt (a save interrupted, or the damaged checkpoint a resume skipped)
         # is replaced whole: none of its files may end up under the new checksums
@@ -170,16 +197,18 @@ def save_checkpoint(engine, train_dir, step: int, client: dict, rank_state: dict
         # a universal copy of an earlier run's step_N would no longer match the step_N written now
         shutil.rmtree(universal_dir(tag_dir), ignore_errors=True)
     _barrier()
-    torch.save(rank_state, tag_dir / f"rank_{rank}.pt")
-    if rank == 0:
-        write_json_atomic(tag_dir / CLIENT, client)
-        write_json_atomic(tag_dir / HEAD_CONFIG, head_cfg)
-        write_json_atomic(tag_dir / META, meta)
-    engine.save_checkpoint(str(root), tag=tag, client_state={"specheads": client}, save_latest=False)
-    _barrier()  # every rank's files are written
-    if rank == 0:
-        write_json_atomic(tag_dir / CHECKSUMS, compute_checksums(tag_dir, fsync=True))
-        write_latest(train_dir, tag)
+    with disk_full_guard(tag_dir, needed=needed, kept=lambda: _kept_checkpoint(train_dir, tag), action="",
+                         cleanup=drop_partial):
+        torch.save(rank_state, tag_dir / f"rank_{rank}.pt")
+        if rank == 0:
+            write_json_atomic(tag_dir / CLIENT, client)
+            write_json_atomic(tag_dir / HEAD_CONFIG, head_cfg)
+            write_json_atomic(tag_dir / META, meta)
+        engine.save_checkpoint(str(root), tag=tag, client_state={"specheads": client}, save_latest=False)
+        _barrier()  # every rank's files are written
+        if rank == 0:
+            write_json_atomic(tag_dir / CHECKSUMS, compute_checksums(tag_dir, fsync=True))
+            write_latest(train_dir, tag)
     _barrier()
     return tag_dir
 
@@ -431,17 +460,29 @@ def _barrier():
 def save_final(train_dir, state_dict: dict, head_cfg: dict, meta: dict) -> Path:
     """Plain safetensors of the head + head_config.json + meta.json (with their sha256 under ``checksums``),
     written into a temporary sibling and renamed into place as a whole: ``final/`` is the previous head
-    or the new one, never a mix or half of one."""
-    from safetensors.torch import save_file
-
+    or the new one, never a mix or half of one. A full disk is a ``DiskFullError`` saying the previous
+    ``final/`` is unchanged and the last checkpoint (from which a resume writes ``final/``)."""
     train_dir = Path(train_dir)
     out = train_dir / FINAL
     train_dir.mkdir(parents=True, exist_ok=True)
+    had = out.is_dir()
+    last = latest_checkpoint(train_dir)
+    tensors = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
+               for k, v in state_dict.items()}
+    kept = ((f"the previous {out} is unchanged" if had else f"no {out} was written")
+            + (f"; the run's last checkpoint {last.name} is complete: free space and rerun with train.resume=true "
+               f"to write {FINAL}/ from it" if last is not None else "; free space and rerun"))
+    with disk_full_guard(out, kept=kept, action="", needed=sum(t.numel() * t.element_size() for t in tensors.values())):
+        _write_final(train_dir, out, tensors, head_cfg, meta)
+    return out
+
+
+def _write_final(train_dir: Path, out: Path, tensors: dict, head_cfg: dict, meta: dict) -> None:
+    from safetensors.torch import save_file
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{FINAL}.tmp-", dir=train_dir))
     old = None
     try:
-        tensors = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
-                   for k, v in state_dict.items()}
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "specheads.train"})
         write_json_atomic(tmp / HEAD_CONFIG, head_cfg)
         sums = {name: file_sha256(tmp / name, fsync=True) for name in (WEIGHTS, HEAD_CONFIG)}
@@ -460,4 +501,3 @@ def save_final(train_dir, state_dict: dict, head_cfg: dict, meta: dict) -> Path:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    return out

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from specheads.dump.feed import make_feed
 from specheads.errors import SpecheadsError
+from specheads.fileio import DiskFullError
 from specheads.formats.trained import file_sha256
 from specheads.heads.lora import merged_state_dict
 from specheads.rundir import (RunDir, check_stage_inputs, client_state, compare_fingerprints, recipe_hash,
@@ -483,6 +484,9 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
                     last_saved = step
     except TrainingDivergedError:
         run.logger.close(plot=True)
+        raise
+    except DiskFullError:
+        run.logger.close(plot=False)  # what reached metrics.jsonl stays; no plots on a full disk
         raise
     loop_s = time.time() - t_loop
 

@@ -17,6 +17,8 @@ import math
 import os
 from pathlib import Path
 
+from specheads.fileio import disk_full_guard, tmp_path_for
+
 log = logging.getLogger("specheads.train")
 
 METRICS = "metrics.jsonl"
@@ -38,6 +40,7 @@ class RunLogger:
         self.path = self.dir / METRICS
         self.wandb = None
         self.every = max(1, int(recipe.train.logging.every))
+        self.last_step = resume_step
         if rank != 0:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -45,10 +48,21 @@ class RunLogger:
             # Drop what an interrupted run logged past the checkpoint we resume from (and a torn or bad line,
             # named by _scan: it holds no step to keep).
             keep = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-            self.path.write_text("".join(k + "\n" for k in keep))
+            tmp = tmp_path_for(self.path)  # rewritten beside it and renamed: a full disk keeps the old file
+            with self._disk_full_guard():
+                try:
+                    with open(tmp, "w") as f:
+                        f.write("".join(k + "\n" for k in keep))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, self.path)
+                finally:
+                    tmp.unlink(missing_ok=True)
         elif resume_step is None and self.path.is_file():
             self.path.unlink()
-        self._fh = open(self.path, "a", buffering=1)
+        self.last_step = resume_step
+        with self._disk_full_guard():
+            self._fh = open(self.path, "a", buffering=1)
         mode = recipe.train.logging.wandb
         if mode != "disabled":
             try:
@@ -67,7 +81,9 @@ class RunLogger:
         if self.rank != 0:
             return
         row = {k: _clean(v) for k, v in row.items()}
-        self._fh.write(json.dumps(row) + "\n")
+        with self._disk_full_guard():
+            self._fh.write(json.dumps(row) + "\n")
+        self.last_step = row.get("step", self.last_step)
         if self.wandb is not None:
             split = row.get("split", "train")
             flat = {}
@@ -85,10 +101,26 @@ class RunLogger:
             except Exception as e:  # noqa: BLE001
                 log.warning("wandb.log failed: %s", e)
 
+    def _disk_full_guard(self):
+        """A full disk at ``metrics.jsonl``: one ``DiskFullError`` saying what the file and the checkpoints keep."""
+        from specheads.train.checkpoint import latest_checkpoint
+
+        def kept() -> str:
+            last = latest_checkpoint(self.dir)
+            logged = (f"{self.path.name} holds the rows up to step {self.last_step}" if self.last_step is not None
+                      else f"{self.path.name} holds the rows logged so far")
+            return logged + (f"; the checkpoint {last.name} is kept: free space and rerun with train.resume=true "
+                             f"to resume from it" if last is not None else
+                             "; no checkpoint was written yet: free space and rerun")
+        return disk_full_guard(self.path, kept=kept, action="")
+
     def close(self, plot: bool = True) -> list[Path]:
         if self.rank != 0:
             return []
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:  # a row a full disk refused, still buffered: it is lost, the file keeps what it has
+            pass
         if self.wandb is not None:
             try:
                 self.wandb.finish()
