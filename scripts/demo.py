@@ -46,7 +46,8 @@ def main() -> None:
     times["vocab"] = run("3/7 draft vocabulary", ["vocab", RECIPE, *EXTRA])
     if recipe.dump.mode == "offline":
         times["dump"] = run("4/7 dump hidden states", ["dump", RECIPE, *EXTRA])
-    times["train"] = run("5/7 train the EAGLE-3 head", ["train", RECIPE, *EXTRA])
+    # resume: a rerun continues (or finds finished) the demo's own run rather than refusing to start over it
+    times["train"] = run("5/7 train the EAGLE-3 head", ["train", RECIPE, "train.resume=true", *EXTRA])
     times["export"] = run("6/7 export (speculators format) + validate", ["export", RECIPE, *EXTRA])
     times["eval"] = run("7/7 acceptance report vs n-gram", ["eval", RECIPE, *EXTRA])
     total = time.time() - t0

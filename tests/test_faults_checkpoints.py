@@ -159,8 +159,11 @@ def test_checkpoints_without_checksums_are_the_last_resort(full, target, vocab, 
     files pass the zip CRC check; a damaged one is skipped, naming the file."""
     d, a = full
     ck = interrupted(d, tmp_path)
-    for t in ("step_4", "step_8"):
+    for t in ("step_4", "step_8"):  # as an older version wrote them: no checksums, no input digests
         (ck / t / "checksums.json").unlink()
+        client = json.loads((ck / t / "client_state.json").read_text())
+        client["fingerprint"] = {k: v for k, v in client["fingerprint"].items() if not k.startswith("inputs.")}
+        (ck / t / "client_state.json").write_text(json.dumps(client))
     truncate(ck / "step_8" / "mp_rank_00_model_states.pt")
     capsys.readouterr()
     b = train(tmp_path, target, vocab, resume=True, **KW)
@@ -171,6 +174,18 @@ def test_checkpoints_without_checksums_are_the_last_resort(full, target, vocab, 
     la, lb = losses(a["metrics"]), losses(b["metrics"])
     for s in range(5, STEPS + 1):
         assert lb[s] == pytest.approx(la[s], rel=1e-5, abs=1e-6), s
+
+
+def test_a_first_save_that_did_not_finish_is_not_taken_for_an_old_checkpoint(full, target, vocab, tmp_path, capsys):
+    """A checkpoint of this version without its checksums (killed before they were written, no `latest` yet)
+    is an interrupted save: refused, not resumed as an unverified old one."""
+    d, _ = full
+    ck = interrupted(d, tmp_path)
+    for t in ("step_4", "step_8"):
+        (ck / t / "checksums.json").unlink()
+    (ck / "latest").unlink()
+    with pytest.raises(CheckpointError, match="a save that did not finish"):
+        train(tmp_path, target, vocab, resume=True, **KW)
 
 
 def test_a_checkpoint_newer_than_latest_is_an_interrupted_save(full, target, vocab, tmp_path, capsys):

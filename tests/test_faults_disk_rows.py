@@ -376,3 +376,21 @@ def test_eval_report_is_published_whole_and_a_full_disk_keeps_the_old_one(tmp_pa
     report_mod.write_report({"title": "second", "runs": []}, out)
     assert json.loads((out / "report.json").read_text())["title"] == "second"
     assert (out / "vllm" / "plain.result.json").is_file()
+
+
+def test_eval_report_into_the_working_directory_or_a_link(tmp_path, monkeypatch):
+    """eval.out may be the working directory (which cannot be swapped) or a symlink (published where it points)."""
+    import specheads.evaluate.report as report_mod
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    paths = report_mod.write_report({"title": "here", "runs": []}, ".")
+    assert json.loads((tmp_path / "report.json").read_text())["title"] == "here"
+    assert paths["json"] == "report.json" and (tmp_path / "notes.txt").read_text() == "mine"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    report_mod.write_report({"title": "linked", "runs": []}, "link")
+    assert (tmp_path / "link").is_symlink() and json.loads((real / "report.json").read_text())["title"] == "linked"

@@ -241,7 +241,11 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
     whole (:func:`specheads.fileio.publish_dir`): ``out_dir`` holds the previous report or the new one, never a
     mix. Other entries of ``out_dir`` (``vllm/``: vLLM's work and target copy) are moved over (renames). A full
     disk is a ``DiskFullError`` naming the file; the temporary sibling goes and the previous report stays."""
-    out = Path(out_dir)
+    given = Path(out_dir)  # the paths the report records and returns, as the user gave them
+    out = given.resolve()  # a symlinked eval.out: publish where it points, the link stays valid
+    here = Path.cwd().resolve()
+    if out == here or out in here.parents:  # the working directory itself cannot be swapped
+        return _write_in_place(report, out, given)
     out.parent.mkdir(parents=True, exist_ok=True)
     _recover(out)
     tmp = _staging(out)
@@ -261,7 +265,7 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
     with disk_full_guard(out, staging=tmp, kept=kept, cleanup=undo):
         try:
             tmp.mkdir()
-            report["plots"] = [str(out / Path(p).name) for p in write_plots(report, tmp)]
+            report["plots"] = [str(given / Path(p).name) for p in write_plots(report, tmp)]
             _write_durable(tmp / "report.json", json.dumps(_json_safe(report), indent=2, default=str))
             _write_durable(tmp / "report.md", render_markdown(report))
             if out.is_dir():
@@ -273,7 +277,26 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
         except BaseException:
             undo()
             raise
-    return {"json": str(out / "report.json"), "md": str(out / "report.md"), "plots": report["plots"]}
+    return {"json": str(given / "report.json"), "md": str(given / "report.md"), "plots": report["plots"]}
+
+
+def _write_in_place(report: dict, out: Path, given: Path) -> dict[str, str]:
+    """The report written file by file into ``out`` (the working directory or one above it, which cannot be
+    swapped): each file replaced whole by a rename, ``report.json`` last, so a complete report.json means a
+    complete report."""
+    tmp = out / f".report.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    report = dict(report)
+    kept = f"the partial report was removed; files of the previous report in {out} were kept"
+    with disk_full_guard(out, staging=tmp, kept=kept, cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True)):
+        tmp.mkdir()
+        report["plots"] = [str(given / Path(p).name) for p in write_plots(report, tmp)]
+        _write_durable(tmp / "report.md", render_markdown(report))
+        _write_durable(tmp / "report.json", json.dumps(_json_safe(report), indent=2, default=str))
+        for name in sorted(p.name for p in tmp.iterdir() if p.name != "report.json") + ["report.json"]:
+            os.replace(tmp / name, out / name)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"json": str(given / "report.json"), "md": str(given / "report.md"), "plots": report["plots"]}
 
 
 def _write_durable(path: Path, text: str) -> None:

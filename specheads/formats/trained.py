@@ -102,8 +102,11 @@ def checksum_problems(d: Path, recorded: dict) -> list[str]:
     d = Path(d)
     out = []
     for name, want in recorded.items():
-        want_sha = want["sha256"] if isinstance(want, dict) else want
+        want_sha = want.get("sha256") if isinstance(want, dict) else want
         want_bytes = want.get("bytes") if isinstance(want, dict) else None
+        if not isinstance(want_sha, str):
+            out.append(f"{d}: the checksum recorded for {name} is malformed ({want!r})")
+            continue
         f = d / name
         if not f.is_file():
             out.append(f"{f}: missing (recorded sha256 {want_sha})")

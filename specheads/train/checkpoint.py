@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from specheads.errors import SpecheadsError
-from specheads.fileio import disk_full_guard, fsync_dir, write_json_atomic
+from specheads.fileio import disk_full_guard, fsync_dir, publish_dir, write_json_atomic
 from specheads.formats.trained import (CHECKSUMS, CKPT, CLIENT, FINAL, HEAD_CONFIG, LATEST, META, WEIGHTS,
                                        TrainedHeadError, checksum_problems, compute_checksums, file_sha256,
                                        read_checksums)
@@ -236,6 +236,16 @@ def _legacy_problems(tag_dir: Path) -> list[str]:
     return out
 
 
+def _written_with_checksums(tag_dir: Path) -> bool:
+    """Whether a checkpoint was written by a version that records checksums (its fingerprint carries the
+    digests of its inputs): one of those without a checksums file is an interrupted save, not an old one."""
+    try:
+        fingerprint = json.loads((tag_dir / CLIENT).read_text()).get("fingerprint") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(str(k).startswith("inputs.") for k in fingerprint)
+
+
 def check_checkpoint(tag_dir: Path) -> tuple[str, list[str]]:
     """("verified", []) | ("unverified", []) (no checksums.json, readable) | ("bad", reasons)."""
     tag_dir = Path(tag_dir)
@@ -244,6 +254,8 @@ def check_checkpoint(tag_dir: Path) -> tuple[str, list[str]]:
     except TrainedHeadError as e:
         return "bad", [str(e)]
     if recorded is None:
+        if _written_with_checksums(tag_dir):
+            return "bad", [f"no {CHECKSUMS}: a save that did not finish (this version writes it last)"]
         bad = _legacy_problems(tag_dir)
         return ("bad", [f"no {CHECKSUMS} and " + b for b in bad]) if bad else ("unverified", [])
     bad = checksum_problems(tag_dir, recorded)
@@ -477,27 +489,32 @@ def save_final(train_dir, state_dict: dict, head_cfg: dict, meta: dict) -> Path:
     return out
 
 
+def recover_final(train_dir: Path) -> None:
+    """Undo what a run killed while publishing ``final/`` left: a previous head renamed aside comes back when
+    no ``final/`` is in place, and half-written temporary heads go. Where the filesystem swaps directories in
+    one step (:func:`~specheads.fileio.publish_dir`) there is no such window; elsewhere there is one."""
+    train_dir = Path(train_dir)
+    out = train_dir / FINAL
+    for old in sorted(train_dir.glob(f".{FINAL}.old-*")):
+        if not out.exists() and (old / WEIGHTS).is_file():
+            os.rename(old, out)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in train_dir.glob(f".{FINAL}.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _write_final(train_dir: Path, out: Path, tensors: dict, head_cfg: dict, meta: dict) -> None:
     from safetensors.torch import save_file
 
+    recover_final(train_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{FINAL}.tmp-", dir=train_dir))
-    old = None
     try:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "producer": "specheads.train"})
         write_json_atomic(tmp / HEAD_CONFIG, head_cfg)
         sums = {name: file_sha256(tmp / name, fsync=True) for name in (WEIGHTS, HEAD_CONFIG)}
         write_json_atomic(tmp / META, {**meta, "checksums": sums})
-        fsync_dir(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{FINAL}.old-", dir=train_dir))
-            os.rmdir(old)
-            os.rename(out, old)
-        os.rename(tmp, out)
-        fsync_dir(train_dir)
+        publish_dir(tmp, out)  # the previous head and the new one swap whole
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and old.exists() and not out.exists():
-            os.rename(old, out)  # put the previous head back
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -289,14 +289,14 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
 
 
 def _on_rank0(fn, rank: int, world: int, device):
-    """``fn()`` run on rank 0 only; its result, or the :class:`SpecheadsError` it raised, on every rank."""
+    """``fn()`` run on rank 0 only; its result, or the error it raised, on every rank."""
     if world == 1 or not dist.is_initialized():
         return fn()
     box = [None]
     if rank == 0:
         try:
             box[0] = ("ok", fn())
-        except SpecheadsError as e:
+        except Exception as e:  # every failure reaches the other ranks, which would otherwise wait forever
             box[0] = ("error", e)
     dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
     kind, value = box[0]
@@ -311,6 +311,7 @@ def _choose_start(recipe, train_dir: Path) -> Path | None:
     A fresh start over another run's checkpoints or ``final/`` is refused naming them, unless
     ``train.overwrite`` (they are then removed in :func:`_train`, just before the first write): a new run
     killed before it ends must not leave the old ``final/`` for ``specheads export`` to publish."""
+    ckpt.recover_final(train_dir)
     if recipe.train.resume:
         tag = ckpt.select_checkpoint(train_dir, say=lambda m: say(m, 0))
         if tag is not None:
