@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specheads import fileio
 from specheads.cli import STAGE_ENTRIES, main, stage_entry
 from specheads.config import load_recipe
 from specheads.export import stage
@@ -262,7 +263,7 @@ def test_publish_without_an_atomic_swap(run, monkeypatch, capsys):
     the two renames, the next export puts it back before anything else."""
     run_dir, _ = run
     out = stage.run_export(recipe_of(run_dir), echo=False)
-    monkeypatch.setattr(stage, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(fileio, "exchange_dirs", lambda a, b: False)
     stage.run_export(recipe_of(run_dir, "export.k=4"), echo=False)
     assert json.loads((out / "config.json").read_text())["speculators_config"]["proposal_methods"][0][
         "speculative_tokens"] == 4

@@ -36,7 +36,7 @@ import torch
 
 from specheads.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
 from specheads.formats import card
-from specheads.fileio import disk_full_guard, exchange_dirs, fsync_dir, write_json_atomic
+from specheads.fileio import disk_full_guard, fsync_dir, publish_dir, write_json_atomic
 from specheads.formats.common import (DTYPES, SIDE_FILE, ExportError, ExportMeta, read_json, read_side,
                                       tensor_shapes_dtypes)
 from specheads.formats.convert import MODULES, detect_format, load_any, save
@@ -367,30 +367,6 @@ def clear_leftovers(out: Path) -> None:
         print(f"specheads: removed {p} (left by a killed export)", file=sys.stderr, flush=True)
 
 
-_exchange = exchange_dirs  # a module name of its own, so a test can take the fallback path
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Put the complete export ``tmp`` in place of ``out``: swapped with the old one in one step where the
-    filesystem can, else the old one renamed aside first; the old one is then removed."""
-    if not out.exists():
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
-        return
-    if _exchange(tmp, out):
-        old = tmp  # the old export now lies under the temporary name
-    else:
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-    fsync_dir(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory; choose another --out")
@@ -420,7 +396,7 @@ def _write_sealed(out: Path, write, lineage: dict | None, needed: int | None = N
             rep.warnings = [w.replace(str(tmp), str(out)) for w in rep.warnings]
             if rep.ok:
                 seal(tmp, lineage)
-                publish(tmp, out)
+                publish_dir(tmp, out)
             return rep
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
