@@ -243,9 +243,15 @@ def publish_dir(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def sha256_file(path: str | Path, chunk: int = 16 << 20) -> str:
+def sha256_file(path: str | Path, chunk: int = 16 << 20, *, fsync: bool = False) -> str:
+    """sha256 of a file (``fsync``: also flush it to disk, for a file just written by someone else)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while b := f.read(chunk):
             h.update(b)
+        if fsync:
+            try:
+                os.fsync(f.fileno())
+            except OSError:
+                pass
     return h.hexdigest()

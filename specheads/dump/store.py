@@ -50,7 +50,7 @@ import torch
 
 from specheads import fileio
 from specheads.errors import DumpError
-from specheads.fileio import fsync_dir
+from specheads.fileio import fsync_dir, sha256_file as file_sha256
 
 FORMAT = "specheads-dump"
 FORMAT_VERSION = 1
@@ -321,17 +321,6 @@ def read_header(path: Path) -> tuple[dict, int]:
         return json.loads(text), 8 + n
     except ValueError as e:
         raise DumpCorruptError(f"{path.name}: unreadable safetensors header: {e}") from None
-
-
-def file_sha256(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
 
 
 class ShardArrays:

@@ -34,15 +34,14 @@ of :mod:`specheads.heads.lora` that the trainer trains and saves).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from specheads.errors import MissingInputError, SpecheadsError
+from specheads.fileio import sha256_file as file_sha256
 from specheads.heads import HEAD_CLASSES, HeadConfig
 from specheads.heads.lora import inject_lora, merged_state_dict
 
@@ -62,23 +61,6 @@ class TrainedHeadError(SpecheadsError, ValueError):
 
 
 # ---------------------------------------------------------------- checksums
-def file_sha256(path, chunk: int = 16 << 20, *, fsync: bool = False) -> str:
-    """sha256 of a file (``fsync``: also flush it to disk, for a file just written by someone else)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-        if fsync:
-            try:
-                os.fsync(f.fileno())
-            except OSError:
-                pass
-    return h.hexdigest()
-
-
 def checksummed_files(d: Path) -> list[Path]:
     """The files of a checkpoint directory that its ``checksums.json`` covers (all but itself and
     temporary ``.*.tmp`` files), sorted by relative path."""
