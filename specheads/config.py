@@ -149,6 +149,9 @@ class DumpConfig(_Section):
     # fp8 states trained a head as good as bf16 ones (τ 1.78 both, BENCHMARKS.md). The eval
     # and its lossless checks keep target.dtype.
     compute_dtype: Literal["bfloat16", "float32"] | None = None
+    # the layers the store holds (HF index); default: the head's. A superset serves several heads from one
+    # dump (EAGLE-3's three and DFlash's five); a head reads its own layers out of it
+    aux_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None
 
 
 class LoraConfig(_Section):
@@ -160,9 +163,14 @@ class LoraConfig(_Section):
 
 
 class HeadSection(_Section):
-    kind: Literal["eagle3", "eagle1", "mtp"] = "eagle3"
-    aux_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None  # HF hidden-state index; default [2, L//2, L-3]
-    num_layers: int = Field(1, ge=1)
+    kind: Literal["eagle3", "eagle1", "mtp", "peagle", "dflash"] = "eagle3"
+    # HF hidden-state index; default [2, L//2, L-3] (EAGLE-3, P-EAGLE), the outputs of layers 1 .. L-3 spread
+    # over five (DFlash)
+    aux_layer_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    num_layers: int | None = Field(None, ge=1)  # decoder layers; default 1 (EAGLE-3, EAGLE-1), 4 (P-EAGLE), 5 (DFlash)
+    num_depths: int = Field(4, ge=1, le=32)  # P-EAGLE: tokens drafted per forward (K)
+    block_size: int = Field(8, ge=2, le=32)  # DFlash: the anchor and block_size - 1 drafted tokens
+    mask_token_id: int | None = Field(None, ge=0)  # the masked slots' token (P-EAGLE, DFlash); default: the last id
     num_mtp_depths: int = Field(1, ge=1)
     mtp_loss_weights: list[Annotated[float, Field(ge=0.0)]] | None = None
     norm_before_residual: bool = False
@@ -185,6 +193,13 @@ class TrainConfig(_Section):
     ttt_steps: int = Field(7, ge=1)
     loss_decay: float = Field(0.8, gt=0.0, le=1.0)  # weight of TTT step k: loss_decay^k
     eagle1_ce_weight: float = Field(0.1, ge=0.0)
+    # P-EAGLE's conditional drop-token sampling: depth d keeps max(keep_ratio^d, keep_min) of its candidates
+    peagle_keep_ratio: float = Field(0.7, gt=0.0, le=1.0)
+    peagle_keep_min: float = Field(0.2, ge=0.0, le=1.0)
+    # DFlash: blocks per micro-batch (random anchors over its rows, as speculators' per packed sequence): the
+    # blocks' logits, anchors x block_size x draft vocabulary, bound the step's memory
+    dflash_anchors: int = Field(512, ge=1)
+    dflash_gamma: float = Field(4.0, gt=0.0)  # DFlash: block slot j's loss weight exp(-(j-1)/gamma)
     epochs: float = Field(1.0, gt=0.0)  # passes over the train rows (fractional: a part of one)
     max_steps: int | None = Field(None, ge=1)  # optimizer steps; wins over epochs
     micro_batch_size: int = Field(1, ge=1)
@@ -253,7 +268,8 @@ class TrainConfig(_Section):
 
 
 class ExportConfig(_Section):
-    format: Literal["speculators", "sglang", "eagle", "mtp"] = "speculators"
+    # dflash_native: the published DFlash layout (DFlashDraftModel, output-of-layer target_layer_ids)
+    format: Literal["speculators", "sglang", "eagle", "mtp", "dflash_native"] = "speculators"
     k: int = Field(3, ge=1, le=16)
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     out: str | None = None  # default: {run_dir}/export/{format}

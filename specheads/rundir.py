@@ -304,11 +304,14 @@ def check_store_identity(manifest: dict, root, *, expected_target: dict | None =
             f"{root} holds hidden states of target {describe_target(have)}, but the expected target is {want}; "
             f"re-dump with this target (or point dump.dir at the right store)"
         )
-    if expected_layer_ids is not None and list(expected_layer_ids) != list(manifest["aux_layer_ids"]):
-        raise DumpMismatchError(
-            f"{root} holds aux_layer_ids {manifest['aux_layer_ids']}, but the head expects "
-            f"{list(expected_layer_ids)}; re-dump with head.aux_layer_ids={list(expected_layer_ids)}"
-        )
+    if expected_layer_ids is not None:
+        missing = [i for i in expected_layer_ids if i not in manifest["aux_layer_ids"]]
+        if missing:
+            raise DumpMismatchError(
+                f"{root} holds aux_layer_ids {manifest['aux_layer_ids']}, but the head reads "
+                f"{list(expected_layer_ids)}: layer(s) {missing} are not in the store; re-dump with "
+                f"dump.aux_layer_ids covering {list(expected_layer_ids)} (or train with dump.mode=online)"
+            )
 
 
 def check_store_compatible(existing: dict, new: dict, root: Path) -> None:

@@ -185,9 +185,10 @@ class Target:
             "adapter": self.adapter,
         }
 
-    def aux_layer_ids(self, requested: list[int] | None = None, where: str = "head.aux_layer_ids") -> list[int]:
-        """The recipe's aux layer ids checked against this target, or the EAGLE-3 default."""
-        return resolve_aux_layer_ids(requested, self.num_layers, where=where)
+    def aux_layer_ids(self, requested: list[int] | None = None, where: str = "head.aux_layer_ids",
+                      kind: str = "eagle3") -> list[int]:
+        """The recipe's aux layer ids checked against this target, or the default of a head ``kind``."""
+        return resolve_aux_layer_ids(requested, self.num_layers, where=where, kind=kind)
 
     @property
     def embed_tokens(self) -> nn.Embedding:

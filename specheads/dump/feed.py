@@ -311,7 +311,8 @@ class Feed:
 
 def _expected_layer_ids(recipe, target, num_layers: int | None) -> list[int]:
     """The head's aux layer ids, resolved against the target (or, without one, the store's num_layers)."""
-    return resolve_aux_layer_ids(recipe.head.aux_layer_ids, target.num_layers if target is not None else num_layers)
+    return resolve_aux_layer_ids(recipe.head.aux_layer_ids, target.num_layers if target is not None else num_layers,
+                                 kind=recipe.head.kind)
 
 
 def make_feed(recipe, target=None, split: str = "train", rank: int = 0, world_size: int = 1, *,

@@ -69,6 +69,8 @@ class DumpDataset(Dataset):
     ``aux`` [T, n_aux*H], ``final`` [T, H], ``row_index`` (int).
 
     ``dtype``: output dtype of aux/final; default the stored one (fp8 → bfloat16).
+    ``expected_layer_ids``: the layers the head reads; the store may hold more (one dump for an EAGLE-3
+    and a DFlash head), and ``aux`` then holds just these, in this order.
     Every shard's sha256 is checked when the dataset opens (once per process).
     Shards are memory-mapped lazily (per process; safe with DataLoader workers).
     """
@@ -85,7 +87,11 @@ class DumpDataset(Dataset):
                 verify_shard(self.root, rec)
         self.stored = self.manifest["dtype"]
         self.dtype = dtype or (torch.float32 if self.stored == "float32" else torch.bfloat16)
-        self.n_aux = len(self.manifest["aux_layer_ids"])
+        stored_ids = list(self.manifest["aux_layer_ids"])
+        self.layer_ids = list(expected_layer_ids) if expected_layer_ids is not None else stored_ids
+        self.n_aux = len(self.layer_ids)
+        # the stored columns of each layer read, or None when the head reads the store as it is
+        self._pick = None if self.layer_ids == stored_ids else [stored_ids.index(i) for i in self.layer_ids]
         self._starts = [s["row_start"] for s in self.shards]
         self._open: dict[int, tuple[ShardArrays, np.ndarray]] = {}
 
@@ -96,7 +102,7 @@ class DumpDataset(Dataset):
 
     @property
     def aux_layer_ids(self) -> list[int]:
-        return list(self.manifest["aux_layer_ids"])
+        return list(self.layer_ids)
 
     @property
     def hidden_size(self) -> int:
@@ -139,11 +145,18 @@ class DumpDataset(Dataset):
         out = {
             "input_ids": torch.from_numpy(arr["input_ids"][a:b].astype(np.int64)),
             "loss_mask": torch.from_numpy(arr["loss_mask"][a:b].astype(np.int64)),
-            "aux": self._values(arr, "aux", a, b),
+            "aux": self._aux(arr, a, b),
             "final": self._values(arr, "final", a, b),
             "row_index": i,
         }
         return out
+
+    def _aux(self, arr: ShardArrays, a: int, b: int) -> torch.Tensor:
+        aux = self._values(arr, "aux", a, b)
+        if self._pick is None:
+            return aux
+        T = aux.shape[0]
+        return aux.view(T, -1, self.hidden_size)[:, self._pick].reshape(T, -1)
 
     def _values(self, arr: ShardArrays, name: str, a: int, b: int) -> torch.Tensor:
         raw = np.array(arr[name][a:b])  # copy out of the memory map

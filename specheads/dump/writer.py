@@ -331,7 +331,7 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
             target = load_target_for(recipe, device=str(device), require_chat_template=False)
         device = target.device
         trows = TokenRows(rows if rows is not None else RunDir(recipe).rows)
-        layer_ids = target.aux_layer_ids(recipe.head.aux_layer_ids)
+        layer_ids = dump_layer_ids(recipe, target)
         root = RunDir(recipe).dump
         # the rows' summary.json, by digest: training refuses this store once the rows are prepared anew
         summary = RunDir(recipe).rows / "summary.json"
@@ -340,6 +340,20 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
                     rows_summary_sha256=summary_sha)
     finally:
         dist.close()
+
+
+def dump_layer_ids(recipe, target) -> list[int]:
+    """The layers a store holds: ``dump.aux_layer_ids`` when given (e.g. an EAGLE-3 head's and a DFlash
+    head's together), else the head's; the head's must be among them."""
+    head = target.aux_layer_ids(recipe.head.aux_layer_ids, kind=recipe.head.kind)
+    if recipe.dump.aux_layer_ids is None:
+        return head
+    ids = target.aux_layer_ids(recipe.dump.aux_layer_ids, where="dump.aux_layer_ids")
+    missing = [i for i in head if i not in ids]
+    if missing:
+        raise DumpError(f"dump.aux_layer_ids {ids} lacks layer(s) {missing} that the {recipe.head.kind} head reads "
+                        f"({head}): add them, or leave dump.aux_layer_ids unset to store the head's layers")
+    return ids
 
 
 def _run(recipe, target, trows, layer_ids, stored, root, device, dist, progress, writer_threads, *,

@@ -1,12 +1,15 @@
-"""Draft heads (plain nn.Modules, no I/O): EAGLE-3, EAGLE-1, MTP."""
+"""Draft heads (plain nn.Modules, no I/O): EAGLE-3, EAGLE-1, MTP, P-EAGLE, DFlash."""
 from .config import HeadConfig
 from .eagle1 import Eagle1Head
+from .dflash import DFlashHead
 from .eagle3 import Eagle3Head
 from .layers import StaticKVCache
 from .mtp import MTPHead
+from .peagle import PEagleHead
 from .ttt import TTTCache, build_ttt_mask, ttt_forward
 
-HEAD_CLASSES = {"eagle3": Eagle3Head, "eagle1": Eagle1Head, "mtp": MTPHead}
+HEAD_CLASSES = {"eagle3": Eagle3Head, "eagle1": Eagle1Head, "mtp": MTPHead, "peagle": PEagleHead,
+                "dflash": DFlashHead}
 
 
 def build_head(cfg: HeadConfig):
@@ -14,5 +17,5 @@ def build_head(cfg: HeadConfig):
     return HEAD_CLASSES[cfg.kind](cfg)
 
 
-__all__ = ["HeadConfig", "Eagle3Head", "Eagle1Head", "MTPHead", "StaticKVCache", "TTTCache",
+__all__ = ["HeadConfig", "Eagle3Head", "Eagle1Head", "MTPHead", "PEagleHead", "DFlashHead", "StaticKVCache", "TTTCache",
            "build_ttt_mask", "ttt_forward", "build_head", "HEAD_CLASSES"]

@@ -1,4 +1,4 @@
-"""Head configuration shared by every draft head (EAGLE-3, EAGLE-1, MTP).
+"""Head configuration shared by every draft head (EAGLE-3, EAGLE-1, MTP, P-EAGLE, DFlash).
 
 `HeadConfig` is a plain dataclass: it holds what the modules need to build
 themselves and what the exporters need to write a config a reader (vLLM,
@@ -11,6 +11,10 @@ Conventions:
   width is ``hidden_size`` (H).  EAGLE-3's ``fc`` maps ``n_aux*H_t -> H``.
 - ``draft_vocab_size`` == ``target_vocab_size`` means "full vocabulary"
   (``d2t`` all zero, ``t2d`` all True, both omitted on export).
+- Parallel drafters draft several tokens in one forward: P-EAGLE ``num_depths``
+  (K) tokens, DFlash ``block_size - 1`` (the block's first slot is the
+  anchor, the token the target just verified). Their masked slots read the
+  embedding of ``mask_token_id``.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("eagle3", "eagle1", "mtp")
+KINDS = ("eagle3", "eagle1", "mtp", "peagle", "dflash")
+AUX_KINDS = ("eagle3", "peagle", "dflash")  # heads that read the target's aux hidden states
+PARALLEL_KINDS = ("peagle", "dflash")  # heads that draft a whole block in one forward
 
 
 @dataclass
@@ -53,6 +59,10 @@ class HeadConfig:
     # MTP
     num_mtp_depths: int = 1
     mtp_loss_weights: list[float] | None = None
+    # parallel drafters (P-EAGLE, DFlash)
+    num_depths: int = 4                  # P-EAGLE: tokens drafted per forward (K)
+    block_size: int = 8                  # DFlash: anchor + block_size - 1 drafted tokens
+    mask_token_id: int | None = None     # the token id the masked slots embed
     # informational (filled by from_target_config, used by exporters)
     target_model_type: str = "llama"
     target_num_layers: int | None = None
@@ -80,8 +90,20 @@ class HeadConfig:
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are mutually exclusive")
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
-        if self.kind == "eagle3" and not self.aux_layer_ids:
-            raise ValueError("an EAGLE-3 head needs aux_layer_ids (HF hidden-state index)")
+        if self.kind in AUX_KINDS and not self.aux_layer_ids:
+            raise ValueError(f"a {self.kind} head needs aux_layer_ids (HF hidden-state index)")
+        if self.kind == "dflash":
+            self.qk_norm = True          # every DFlash reader builds Qwen3-style layers (q_norm, k_norm)
+            if self.block_size < 2:
+                raise ValueError(f"a DFlash block needs the anchor and at least one slot, got block_size {self.block_size}")
+        if self.kind == "peagle" and self.num_depths < 1:
+            raise ValueError(f"P-EAGLE needs num_depths >= 1, got {self.num_depths}")
+        if self.kind in PARALLEL_KINDS:
+            if self.mask_token_id is None:
+                raise ValueError(f"a {self.kind} head needs mask_token_id (the token its masked slots embed)")
+            if not 0 <= int(self.mask_token_id) < self.target_vocab_size:
+                raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                                 f"0..{self.target_vocab_size - 1}")
         if self.mtp_loss_weights is not None:
             self.mtp_loss_weights = [float(w) for w in self.mtp_loss_weights]
             if len(self.mtp_loss_weights) != self.num_mtp_depths:
@@ -91,6 +113,11 @@ class HeadConfig:
     @property
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
+
+    @property
+    def tokens_per_forward(self) -> int:
+        """Draft tokens one forward of a parallel drafter gives (1 for the others)."""
+        return {"peagle": self.num_depths, "dflash": self.block_size - 1}.get(self.kind, 1)
 
     @property
     def full_vocab(self) -> bool:
@@ -205,7 +232,7 @@ def target_mismatches(cfg: HeadConfig, target: dict, trained_for: dict | None = 
     hidden, vocab, layers = target.get("hidden_size"), target.get("vocab_size"), target.get("num_layers")
     if hidden is not None and int(cfg.target_hidden_size) != int(hidden):
         errs.append(f"head expects target hidden size {cfg.target_hidden_size}, target has {hidden}")
-    if hidden is not None and cfg.kind in ("eagle1", "mtp") and int(cfg.hidden_size) != int(hidden):
+    if hidden is not None and cfg.kind in ("eagle1", "mtp", "dflash") and int(cfg.hidden_size) != int(hidden):
         errs.append(f"{cfg.kind} hidden_size {cfg.hidden_size} != target hidden size {hidden}")
     if vocab is not None and cfg.target_vocab_size and int(cfg.target_vocab_size) != int(vocab):
         errs.append(f"head expects target vocab {cfg.target_vocab_size}, target has {vocab}")

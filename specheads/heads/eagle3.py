@@ -30,13 +30,16 @@ from torch import nn
 
 from .config import HeadConfig
 from .layers import DecoderLayer, Eagle3FirstLayer, RMSNorm, RotaryEmbedding
+from .vocab import DraftVocabMixin
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(DraftVocabMixin, nn.Module):
+    kind = "eagle3"
+
     def __init__(self, cfg: HeadConfig):
         super().__init__()
-        if cfg.kind != "eagle3":
-            raise ValueError(f"Eagle3Head needs kind='eagle3', got {cfg.kind!r}")
+        if cfg.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} needs kind={self.kind!r}, got {cfg.kind!r}")
         if cfg.fc_bias:
             raise ValueError("EAGLE-3 fc has no bias in every reader (vLLM, SGLang, speculators)")
         self.cfg = cfg
@@ -50,33 +53,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(cfg.target_vocab_size, dtype=torch.bool) if cfg.full_vocab
-                             else torch.zeros(cfg.target_vocab_size, dtype=torch.bool))
-
-    # ---------------------------------------------------------------- setup
-    def set_vocab_mapping(self, d2t: torch.Tensor | None, t2d: torch.Tensor | None = None) -> None:
-        Vd, Vt = self.cfg.draft_vocab_size, self.cfg.target_vocab_size
-        if d2t is None:
-            if not self.cfg.full_vocab:
-                raise ValueError(f"draft vocab {Vd} < target vocab {Vt} needs a d2t mapping")
-            self.d2t.zero_()
-            self.t2d.fill_(True)
-            return
-        d2t = torch.as_tensor(d2t, dtype=torch.int64).to(self.d2t.device)
-        if d2t.shape != (Vd,):
-            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({Vd},)")
-        target_ids = torch.arange(Vd, device=d2t.device) + d2t
-        if int(target_ids.min()) < 0 or int(target_ids.max()) >= Vt:
-            raise ValueError("d2t maps draft ids outside the target vocabulary")
-        self.d2t.copy_(d2t)
-        if t2d is None:
-            t2d = torch.zeros(Vt, dtype=torch.bool, device=d2t.device)
-            t2d[target_ids] = True
-        t2d = torch.as_tensor(t2d, dtype=torch.bool)
-        if t2d.shape != (Vt,):
-            raise ValueError(f"t2d has shape {tuple(t2d.shape)}, expected ({Vt},)")
-        self.t2d.copy_(t2d)
+        self.register_vocab_buffers()
 
     @torch.no_grad()
     def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None,
@@ -99,9 +76,6 @@ class Eagle3Head(nn.Module):
             self.lm_head.weight.copy_(rows)
 
     # ---------------------------------------------------------------- inference
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
-
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """[..., n_aux*Ht] -> [..., H] (optional input_norm / fc_norm first)."""
         if self.input_norm is not None:

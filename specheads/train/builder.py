@@ -29,7 +29,7 @@ from specheads.errors import SpecheadsError
 from specheads.formats.convert import load_any
 from specheads.heads.lora import inject_lora
 from specheads.heads import HEAD_CLASSES, HeadConfig
-from specheads.heads.config import target_mismatches
+from specheads.heads.config import AUX_KINDS, PARALLEL_KINDS, target_mismatches
 from specheads.rundir import RunDir
 
 log = logging.getLogger("specheads.train")
@@ -37,6 +37,10 @@ log = logging.getLogger("specheads.train")
 
 class HeadShapeError(SpecheadsError, ValueError):
     pass
+
+
+# heads with their own (possibly smaller) draft vocabulary; EAGLE-1 and MTP share the target's lm_head
+DRAFT_VOCAB_KINDS = ("eagle3", "peagle", "dflash")
 
 
 @dataclass
@@ -62,7 +66,7 @@ def resolve_vocab(recipe, target, vocab=None):
     Vt = int(target.vocab_size)
     kind = recipe.head.kind
     want = recipe.vocab.draft_vocab_size
-    if kind != "eagle3":
+    if kind not in DRAFT_VOCAB_KINDS:
         if want is not None and want < Vt:
             log.info("head.kind=%s shares the target lm_head: training over the full vocabulary (%d), "
                      "vocab.draft_vocab_size=%s is ignored", kind, Vt, want)
@@ -97,17 +101,34 @@ def resolve_vocab(recipe, target, vocab=None):
     return d2t, t2d, dict(stats or {})
 
 
+DEFAULT_NUM_LAYERS = {"peagle": 4, "dflash": 5}   # speculators' P-EAGLE and the published DFlash heads
+
+
+def default_mask_token_id(target) -> int:
+    """The token masked slots embed when the recipe names none: the target's last id. The embedding is
+    frozen, so the head learns what that row means in a masked slot; only an anchor equal to it (a
+    token the target's tokenizer never produces in text) could be confused with a mask."""
+    return int(target.vocab_size) - 1
+
+
 def head_config(recipe, target, draft_vocab_size: int):
     h = recipe.head
     try:
-        aux = target.aux_layer_ids(h.aux_layer_ids) if h.kind == "eagle3" else []
+        aux = target.aux_layer_ids(h.aux_layer_ids, kind=h.kind) if h.kind in AUX_KINDS else []
     except ValueError as e:
         raise HeadShapeError(str(e)) from None
-    over = dict(num_layers=h.num_layers, norm_before_residual=h.norm_before_residual,
+    over = dict(num_layers=h.num_layers or DEFAULT_NUM_LAYERS.get(h.kind, 1),
+                norm_before_residual=h.norm_before_residual,
                 init_lm_head_from_target=h.init_lm_head_from_target, num_mtp_depths=h.num_mtp_depths,
                 mtp_loss_weights=h.mtp_loss_weights)
+    if h.kind in PARALLEL_KINDS:
+        mask = h.mask_token_id if h.mask_token_id is not None else default_mask_token_id(target)
+        if mask >= int(target.vocab_size):
+            raise HeadShapeError(f"head.mask_token_id={mask} is outside the target vocabulary "
+                                 f"(0..{int(target.vocab_size) - 1})")
+        over.update(num_depths=h.num_depths, block_size=h.block_size, mask_token_id=int(mask))
     if h.fc_bias is not None:
-        if h.fc_bias and h.kind == "eagle3":
+        if h.fc_bias and h.kind in AUX_KINDS:
             raise HeadShapeError("head.fc_bias=true: EAGLE-3 heads have no fc bias (speculators and SGLang read none)")
         over["fc_bias"] = bool(h.fc_bias)
     if h.intermediate_size is not None:
@@ -138,6 +159,8 @@ def _warm_start(recipe, target, cfg, d2t):
              for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                        "head_dim", "draft_vocab_size", "aux_layer_ids", "num_layers", "norm_before_residual")
              + (("num_mtp_depths",) if cfg.kind == "mtp" else ())
+             + (("num_depths", "mask_token_id") if cfg.kind == "peagle" else ())
+             + (("block_size", "mask_token_id") if cfg.kind == "dflash" else ())
              if getattr(wcfg, k) != getattr(cfg, k)]
     if diffs:
         raise HeadShapeError(f"{where} does not match the recipe's head: " + "; ".join(diffs))
@@ -172,7 +195,7 @@ def build_head(recipe, target, vocab=None) -> BuiltHead:
     cfg = head_config(recipe, target, Vd)
     check_head_against_target(cfg, target, "recipe head")
     emb, lm_w, _ = target_weights(target)
-    if tuple(emb.shape) != (Vt, cfg.hidden_size) and cfg.kind != "eagle3":
+    if tuple(emb.shape) != (Vt, cfg.hidden_size) and cfg.kind not in ("eagle3", "peagle"):
         raise HeadShapeError(f"target embedding {tuple(emb.shape)} != ({Vt}, {cfg.hidden_size})")
     warm = None
     if recipe.head.warm_start:
@@ -184,6 +207,10 @@ def build_head(recipe, target, vocab=None) -> BuiltHead:
             head.embed_tokens.weight.requires_grad_(False)
             if cfg.kind in ("eagle1", "mtp"):
                 head.lm_head.weight.copy_(lm_w)
+                head.lm_head.weight.requires_grad_(False)
+            if cfg.kind == "dflash":  # the target's rows, frozen (an export leaves them out at full vocabulary)
+                ids = head.draft_to_target(torch.arange(cfg.draft_vocab_size, device=head.d2t.device))
+                head.lm_head.weight.copy_(lm_w[ids.to(lm_w.device)].to(head.lm_head.weight.dtype))
                 head.lm_head.weight.requires_grad_(False)
     else:
         head = HEAD_CLASSES[cfg.kind](cfg)

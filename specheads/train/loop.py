@@ -43,7 +43,7 @@ from specheads.rundir import (RunDir, check_stage_inputs, client_state, compare_
 from specheads.target import load_target_for
 
 from . import checkpoint as ckpt
-from .builder import BuiltHead, build_head, target_weights
+from .builder import DRAFT_VOCAB_KINDS, BuiltHead, build_head, target_weights
 from .engine import (LRLambda, deepspeed_config, device_for, distributed, effective_precision, gathered, initialize,
                      say, total_steps)
 from .losses import Objective, TargetLogits, mtp_weights
@@ -65,7 +65,7 @@ def _input_files(recipe) -> dict:
     rd = RunDir(recipe)
     files = ({"dump_manifest": rd.dump / MANIFEST} if recipe.dump.mode == "offline"
              else {"rows_summary": rd.rows / SUMMARY_FILE})
-    if recipe.head.kind == "eagle3":
+    if recipe.head.kind in DRAFT_VOCAB_KINDS:
         files["vocab"] = rd.vocab / VOCAB_TENSORS
     return files
 
@@ -113,7 +113,7 @@ def _check_inputs(recipe) -> None:
                            "specheads data prepare RECIPE` and `specheads dump RECIPE")
     else:
         check_rows(recipe)
-    if recipe.head.kind == "eagle3":
+    if recipe.head.kind in DRAFT_VOCAB_KINDS:
         check_vocab(recipe)
     if recipe.dump.mode == "offline":
         _check_dump_rows(recipe)
@@ -259,13 +259,15 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     if len(feed) == 0:
         raise BatchError("the training feed is empty: no rows to train on")
 
-    K = cfg.num_mtp_depths if cfg.kind == "mtp" else (tcfg.ttt_steps if cfg.kind == "eagle3" else 1)
     weights = mtp_weights(recipe.head, cfg.num_mtp_depths, tcfg.loss_decay) if cfg.kind == "mtp" else None
     objective = Objective(built.head, cfg.kind, steps=tcfg.ttt_steps, decay=tcfg.loss_decay,
                           eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel,
-                          compile=tcfg.compile, static_shapes=tcfg.length_buckets is not None)
+                          compile=tcfg.compile, static_shapes=tcfg.length_buckets is not None,
+                          peagle_keep=(tcfg.peagle_keep_ratio, tcfg.peagle_keep_min),
+                          dflash_anchors=tcfg.dflash_anchors, dflash_gamma=tcfg.dflash_gamma, seed=recipe.seed)
+    K = objective.num_steps
     _, lm_w, lm_b = target_weights(target)
-    target_logits = TargetLogits(lm_w, built.d2t if cfg.kind == "eagle3" else None, lm_b,
+    target_logits = TargetLogits(lm_w, built.d2t if cfg.kind in DRAFT_VOCAB_KINDS else None, lm_b,
                                  tf32=precision == "bf16").to(device)
 
     total = total_steps(recipe, len(feed))

@@ -281,10 +281,14 @@ class Objective(nn.Module):
 
     def __init__(self, head: nn.Module, kind: str, *, steps: int = 7, decay: float = 0.8,
                  eagle1_ce_weight: float = 0.1, mtp_weights: list[float] | None = None,
-                 backend: str = "auto", compile: bool = False, static_shapes: bool = False):
+                 backend: str = "auto", compile: bool = False, static_shapes: bool = False,
+                 peagle_keep: tuple[float, float] = (0.7, 0.2), dflash_anchors: int = 512,
+                 dflash_gamma: float = 4.0, seed: int = 0):
         super().__init__()
         self.head = head
         self.kind = kind
+        self.peagle_keep, self.dflash_anchors, self.dflash_gamma, self.seed = (
+            tuple(peagle_keep), int(dflash_anchors), float(dflash_gamma), int(seed))
         self.steps = steps
         self.decay = decay
         self.eagle1_ce_weight = eagle1_ce_weight
@@ -304,6 +308,8 @@ class Objective(nn.Module):
 
     @property
     def num_steps(self) -> int:
+        if self.kind in ("peagle", "dflash"):
+            return self.head.cfg.tokens_per_forward
         if self.kind == "eagle3":
             return self.steps
         if self.kind == "eagle1":
@@ -317,4 +323,15 @@ class Objective(nn.Module):
             return eagle1_loss(self.head, batch, tv, self.eagle1_ce_weight, self.backend, self._forward)
         if self.kind == "mtp":
             return mtp_loss(self.head, batch, tv, self.mtp_weights, self.backend, self._forward)
+        # sampled entries and anchors give data-dependent shapes: these two stay eager (train.compile aside)
+        if self.kind == "peagle":
+            from .parallel_losses import peagle_loss
+
+            return peagle_loss(self.head, batch, tv, self.head.cfg.num_depths, *self.peagle_keep, seed=self.seed,
+                               backend=self.backend)
+        if self.kind == "dflash":
+            from .parallel_losses import dflash_loss
+
+            return dflash_loss(self.head, batch, tv, self.dflash_anchors, self.dflash_gamma, seed=self.seed,
+                               backend=self.backend)
         raise ValueError(f"unknown head kind {self.kind!r}")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from specheads.dump.feed import pad_batch
 from specheads.errors import SpecheadsError
+from specheads.heads.config import AUX_KINDS
 
 from . import checkpoint as ckpt
 from .builder import BuiltHead
@@ -64,7 +65,7 @@ def _row_ids(batch: dict):
 def check_batch(batch: dict, built: BuiltHead, target_hidden: int) -> None:
     """Catch a dump written for another target or layer set before it reaches the head."""
     cfg = built.cfg
-    missing = [k for k in ("input_ids", "loss_mask", "final") + (("aux",) if cfg.kind == "eagle3" else ())
+    missing = [k for k in ("input_ids", "loss_mask", "final") + (("aux",) if cfg.kind in AUX_KINDS else ())
                if k not in batch]
     if missing:
         raise BatchError(f"training batch lacks {missing} (got keys {sorted(batch)})")
@@ -72,7 +73,7 @@ def check_batch(batch: dict, built: BuiltHead, target_hidden: int) -> None:
     if batch["final"].shape[-1] != target_hidden:
         raise BatchError(f"batch 'final' states have width {batch['final'].shape[-1]} but the target's hidden "
                          f"size is {target_hidden}: the data was produced by another target")
-    if cfg.kind == "eagle3":
+    if cfg.kind in AUX_KINDS:
         want = cfg.num_aux * cfg.target_hidden_size
         got = batch["aux"].shape[-1]
         if got != want:
