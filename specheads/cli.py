@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help=STAGES["export"])
     p.add_argument("source", nargs="?", help="recipe YAML, run directory or checkpoint directory")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides (the recipe's, or the run's recorded one)")
-    p.add_argument("--format", choices=["speculators", "sglang", "eagle", "mtp"], help="= export.format")
+    p.add_argument("--format", choices=["speculators", "sglang", "eagle", "mtp", "dflash_native"], help="= export.format")
     p.add_argument("--out", help="output directory (= export.out; default: {run_dir}/export/{format})")
     p.add_argument("--k", type=int, help="number of speculative tokens written into the config (= export.k)")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], help="= export.dtype")

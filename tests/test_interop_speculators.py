@@ -211,3 +211,65 @@ def test_missing_embedding_is_not_reliably_the_verifiers(interop):
         assert not torch.equal(r["theirs"]["logits_0"], r["ours"][0])
     rep = validate.check(r["dir"], raise_on_error=False)
     assert not rep.ok and any("embed_tokens.weight" in e for e in rep.errors)
+
+
+# ------------------------------------------------------------------ P-EAGLE and DFlash
+@pytest.fixture(scope="module")
+def parallel_interop(tmp_path_factory, speculators_python):
+    """A peagle and a dflash export (fp32, draft vocabulary), loaded by speculators' from_pretrained."""
+    from specheads.formats import speculators as spec_fmt
+    from specheads.export.stage import build_meta
+    from specheads.heads import DFlashHead, HeadConfig, PEagleHead
+
+    root = tmp_path_factory.mktemp("parallel")
+    verifier = tiny.tiny_verifier(root / "verifier").resolve()
+    vw = load_file(str(verifier / "model.safetensors"))
+    common = dict(hidden_size=tiny.H, intermediate_size=tiny.I, num_attention_heads=tiny.NH,
+                  num_key_value_heads=tiny.KV, target_vocab_size=tiny.VT, draft_vocab_size=tiny.VD,
+                  rms_norm_eps=1e-5, target_num_layers=tiny.L, target_architectures=["LlamaForCausalLM"])
+    heads = {"peagle": PEagleHead(HeadConfig(kind="peagle", aux_layer_ids=list(tiny.AUX), num_layers=2,
+                                             num_depths=3, mask_token_id=5, **common)),
+             "dflash": DFlashHead(HeadConfig(kind="dflash", aux_layer_ids=[1, 4, 7], num_layers=2, block_size=4,
+                                             mask_token_id=5, **common))}
+    sel = torch.randperm(tiny.VT, generator=torch.Generator().manual_seed(3))[:tiny.VD].sort().values
+    jobs, res = [], {}
+    for name, h in heads.items():
+        tiny.rnd(h, seed=7)
+        h.init_from_target(vw["model.embed_tokens.weight"], vw["lm_head.weight"], sel - torch.arange(tiny.VD))
+        if name == "dflash":  # trained rows differ from the target's only through training; keep them random
+            tiny.rnd(h.lm_head, seed=8)
+        out = root / name
+        spec_fmt.save(h.eval(), build_meta(h, {"target": tiny.identity(str(verifier))}, 3), out, dtype=torch.float32)
+        jobs.append({"model_dir": str(out), "output": str(root / f"{name}.safetensors")})
+        res[name] = {"head": h, "output": root / f"{name}.safetensors"}
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="2")
+    p = subprocess.run([str(speculators_python), str(REPO / "tests" / "interop" / "speculators_parallel_load.py"),
+                        str(root / "jobs.json")], capture_output=True, text=True, timeout=900, env=env, cwd=str(root))
+    assert p.returncode == 0, f"speculators load failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    for r in res.values():
+        r["theirs"] = load_file(str(r["output"]))
+        r["info"] = json.loads(Path(str(r["output"]) + ".json").read_text())
+    return res
+
+
+@pytest.mark.parametrize("name, cls", [("peagle", "PEagleDraftModel"), ("dflash", "DFlashDraftModel")])
+def test_parallel_heads_load_with_our_weights(parallel_interop, name, cls):
+    """speculators builds the same module from our config and holds our tensors (mask_hidden, d2t/t2d, the
+    DFlash lm_head of the draft vocabulary), with the verifier's embedding."""
+    r = parallel_interop[name]
+    info, head, theirs = r["info"], r["head"], r["theirs"]
+    assert info["class"] == cls and info["speculators_model_type"] == name
+    assert info["mask_token_id"] == 5 and info["num_layers"] == 2 and info["use_draft_vocab"]
+    assert info["speculative_tokens"] == head.cfg.tokens_per_forward == 3
+    assert info["aux"] == head.cfg.aux_layer_ids
+    if name == "dflash":
+        assert info["block_size"] == 4
+    ours = head.state_dict()
+    compared = [k for k in ours if k in theirs]
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "embed_tokens.weight", "d2t", "t2d",
+            "layers.1.mlp.down_proj.weight"} <= set(compared)
+    assert name != "peagle" or "mask_hidden" in compared
+    for k in compared:
+        assert torch.equal(theirs[k].to(ours[k].dtype), ours[k]), k

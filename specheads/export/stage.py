@@ -39,7 +39,7 @@ from specheads.formats import card
 from specheads.fileio import disk_full_guard, fsync_dir, publish_dir, write_json_atomic
 from specheads.formats.common import (DTYPES, SIDE_FILE, ExportError, ExportMeta, read_json, read_side,
                                       tensor_shapes_dtypes)
-from specheads.formats.convert import MODULES, detect_format, load_any, save
+from specheads.formats.convert import KIND_FORMATS, MODULES, detect_format, load_any, save
 from specheads.formats.trained import _resolve as resolve_trained
 from specheads.formats.trained import load_trained_head
 from specheads.heads.config import target_mismatches
@@ -49,7 +49,7 @@ from specheads.target import BUNDLED_HF_ID, TargetError, target_facts
 from . import validate
 
 FORMATS = tuple(MODULES)
-KIND_FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle",), "mtp": ("mtp",)}
+PARALLEL_KINDS = ("peagle", "dflash")
 ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
 
@@ -143,7 +143,7 @@ def check_head_vs_identity(head, trained: dict, where: str) -> None:
 
 def check_vocab_mapping(head, where: str) -> None:
     cfg = head.cfg
-    if cfg.kind == "eagle3" and not cfg.full_vocab and not bool(head.t2d.any()):
+    if cfg.kind in ("eagle3",) + PARALLEL_KINDS and not cfg.full_vocab and not bool(head.t2d.any()):
         raise ExportError(f"{where}: draft vocab {cfg.draft_vocab_size} < target vocab {cfg.target_vocab_size} but the "
                    "head has no d2t/t2d mapping (drafts would map to the wrong token ids); run `specheads vocab` "
                    "and retrain, or set vocab.draft_vocab_size=null")
@@ -173,7 +173,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def summary_lines(out: Path, rep, meta, fmt: str, files_in: Path | None = None) -> list[str]:
+def summary_lines(out: Path, rep, meta, fmt: str, files_in: Path | None = None, kind: str | None = None) -> list[str]:
     """What an export wrote (the files of ``files_in``, default ``out``), its validation and launch lines."""
     files = sorted(p for p in Path(files_in or out).iterdir() if p.is_file())
     total = sum(p.stat().st_size for p in files)
@@ -188,10 +188,10 @@ def summary_lines(out: Path, rep, meta, fmt: str, files_in: Path | None = None) 
                      f"largest logit {rep.output_scale:.3g})")
     lines += [f"  warning: {w}" for w in rep.warnings]
     target = meta.verifier_name_or_path or "TARGET"
-    ll = card.launch_lines(target, str(out), int(meta.speculative_tokens), fmt)
-    if fmt in ("speculators", "sglang", "eagle"):
+    ll = card.launch_lines(target, str(out), int(meta.speculative_tokens), fmt, kind)
+    if fmt in ("speculators", "sglang", "eagle", "dflash_native"):
         lines.append(f"vLLM:   {ll['vllm']}")
-    if fmt in ("sglang", "eagle"):
+    if fmt in ("sglang", "eagle") and ll["sglang"]:
         lines.append(f"SGLang: {ll['sglang']}")
     if fmt == "mtp":
         lines.append("MTP: serve with the target (stitch the layers into a native-MTP target checkpoint, "
@@ -416,7 +416,9 @@ def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
     out = RunDir(recipe).export
     check_head_vs_identity(head, tmeta, where)
     check_vocab_mapping(head, where)
-    meta = build_meta(head, tmeta, x.k, tmeta.get("recipe") or recipe.to_dict())
+    # a parallel head drafts what one forward gives (P-EAGLE's K, DFlash's block_size - 1), whatever export.k says
+    k = head.cfg.tokens_per_forward if head.cfg.kind in PARALLEL_KINDS else x.k
+    meta = build_meta(head, tmeta, k, tmeta.get("recipe") or recipe.to_dict())
     _check_out(out)
     head = head.float().eval()
     ident = tmeta.get("target") or {}
@@ -433,12 +435,12 @@ def run_export(recipe, source=None, *, trained=None, echo: bool = True) -> Path:
                              atol=_atol(dt))
         card.write_card(tmp, meta, fmt=fmt, report_json=report if report.is_file() else None,
                         model_path=card.head_path_for_card(out))
-        lines.extend(summary_lines(out, rep, meta, fmt, files_in=tmp))
+        lines.extend(summary_lines(out, rep, meta, fmt, files_in=tmp, kind=head.cfg.kind))
         return rep
 
     rep = _write_sealed(out, write, lineage_of(source or RunDir(recipe).train), needed=_head_bytes(head, dt))
     if rep.ok:
-        lines = summary_lines(out, rep, meta, fmt)  # the files as published (the side file sealed)
+        lines = summary_lines(out, rep, meta, fmt, kind=head.cfg.kind)  # the files as published (the side file sealed)
     if echo:
         for line in lines:
             _out(line)
@@ -472,9 +474,11 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
     _check_format(fmt, head.cfg.kind)
     if src.resolve() == out.resolve():
         raise ExportError(f"--out {out} is the --from directory; write the conversion elsewhere")
-    if k is not None:
+    if head.cfg.kind in PARALLEL_KINDS:  # one forward's tokens; --k cannot change a trained block
+        meta = dataclasses.replace(meta, speculative_tokens=head.cfg.tokens_per_forward)
+    elif k is not None:
         meta = dataclasses.replace(meta, speculative_tokens=int(k))
-    if fmt == "speculators" and not bool(head.embed_tokens.weight.any()):
+    if fmt == "speculators" and head.cfg.kind != "dflash" and not bool(head.embed_tokens.weight.any()):
         raise ExportError(f"--from {src}: has no embedding (a {src_fmt} head shares the target's) but the speculators "
                    "package needs one in the file; export from the trained run instead")
     check_vocab_mapping(head, str(src))
@@ -486,7 +490,7 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
         rep = validate.check(tmp, target_vocab_size=head.cfg.target_vocab_size, reference_head=head, dtype=dt,
                              raise_on_error=False, atol=_atol(dt))
         card.write_card(tmp, meta, fmt=fmt, model_path=card.head_path_for_card(out))
-        lines.extend(summary_lines(out, rep, meta, fmt, files_in=tmp))
+        lines.extend(summary_lines(out, rep, meta, fmt, files_in=tmp, kind=head.cfg.kind))
         return rep
 
     side = read_side(src) or {}
@@ -502,7 +506,7 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
         _check_out(out)
         rep = _write_sealed(out, write, lineage, needed=_head_bytes(head, dt))
     if rep.ok:
-        lines = summary_lines(out, rep, meta, fmt)
+        lines = summary_lines(out, rep, meta, fmt, kind=head.cfg.kind)
     if echo:
         _out(f"converted {src} ({src_fmt}) -> {fmt}")
         for line in lines:
@@ -532,19 +536,24 @@ def check_against_target(d: Path, facts: dict) -> list[str]:
         problems.append(f"{d}: verifier architectures {archs} != target {facts['architectures']}")
     hc = side.get("head_config") or {}
     layer = c.get("transformer_layer_config") if fmt == "speculators" else c
+    native_ids = (c.get("dflash_config") or {}).get("target_layer_ids") if fmt == "dflash_native" else None
     vocab = (layer or {}).get("vocab_size", hc.get("target_vocab_size"))
     if vocab is not None and int(vocab) != facts["vocab_size"]:
         problems.append(f"{d}: vocab_size {vocab} != target vocabulary {facts['vocab_size']}")
     th = c.get("target_hidden_size") or hc.get("target_hidden_size") or (layer or {}).get("hidden_size")
-    if fmt in ("speculators", "sglang"):
+    if fmt in ("speculators", "sglang", "dflash_native"):
         fc = tensor_shapes_dtypes(d).get("fc.weight")
-        aux = c.get("eagle_aux_hidden_state_layer_ids") or hc.get("aux_layer_ids") or []
+        aux = (c.get("eagle_aux_hidden_state_layer_ids") or c.get("aux_hidden_state_layer_ids")  # dflash's name
+               or ([int(i) + 1 for i in native_ids] if native_ids else None) or hc.get("aux_layer_ids") or [])
         if fc and aux and fc[0][1] % len(aux) == 0:
             th = fc[0][1] // len(aux)
         L = facts["num_hidden_layers"]
         bad = [i for i in aux if not 0 <= int(i) <= L]
         if bad:
             problems.append(f"{d}: aux layer ids {bad} out of range for a {L}-layer target")
+        made_for = c.get("num_target_layers") if fmt == "dflash_native" else None
+        if made_for is not None and int(made_for) != L:
+            problems.append(f"{d}: num_target_layers {made_for} != the target's {L} layers")
     elif fmt == "mtp":
         L = c.get("num_hidden_layers")
         if L is not None and int(L) != facts["num_hidden_layers"]:

@@ -25,20 +25,23 @@ from pathlib import Path
 
 import torch
 
+from specheads.formats import dflash_native as dflash_fmt
 from specheads.formats import eagle as eagle_fmt
 from specheads.formats import mtp as mtp_fmt
 from specheads.formats import sglang as sglang_fmt
 from specheads.formats import speculators as spec_fmt
+from specheads.formats import speculators_parallel as parallel_fmt
 from specheads.formats.common import ExportError, read_json, tensor_shapes_dtypes
 from specheads.formats.convert import detect_format, load_any
-from specheads.heads import Eagle1Head, Eagle3Head, MTPHead
+from specheads.heads import DFlashHead, Eagle1Head, Eagle3Head, MTPHead, PEagleHead
 from specheads.layer_ids import hf_to_output_index, output_to_hf_index
 
 ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64,
              "BOOL": torch.bool}
 FLOAT_OK = ("BF16", "F16", "F32")
 DEFAULT_READERS = {"speculators": ("vllm", "speculators"), "sglang": ("sglang", "vllm"),
-                   "eagle": ("vllm", "sglang"), "mtp": ("vllm", "sglang")}
+                   "eagle": ("vllm", "sglang"), "mtp": ("vllm", "sglang"), "dflash_native": ("vllm",)}
+SPEC_ARCHS = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator", "dflash": "DFlashSpeculator"}
 
 
 @dataclass
@@ -161,15 +164,19 @@ def _check_verifier(rep, where, spec_verifier: dict, verifier):
 # ------------------------------------------------------------------ formats
 def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
     where = str(d / "config.json")
+    smt = c.get("speculators_model_type")
+    if smt == "dflash":
+        return _check_speculators_dflash(rep, d, c, target_vocab_size, verifier, dtype)
     if "model_type" in c:
         rep.errors.append(f"{where}: top-level 'model_type' must be absent in a speculators config")
     for key in ("speculators_version", "draft_vocab_size"):
         if key not in c:
             rep.errors.append(f"{where}: missing field {key!r}")
-    if c.get("architectures") != ["Eagle3Speculator"]:
-        rep.warnings.append(f"{where}: architectures {c.get('architectures')} (speculators writes ['Eagle3Speculator'])")
-    _flags_explicit(rep, where, c, spec_fmt.NORM_FLAGS,
-                    {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False})
+    if c.get("architectures") != [SPEC_ARCHS[smt]]:
+        rep.warnings.append(f"{where}: architectures {c.get('architectures')} (speculators writes ['{SPEC_ARCHS[smt]}'])")
+    _flags_explicit(rep, where, c, spec_fmt.NORM_FLAGS,  # vLLM's update_peagle defaults norm_before_residual to False
+                    {"norm_before_residual": smt != "peagle", "norm_before_fc": False, "fc_norm": False,
+                     "norm_output": False})
     if not c.get("eagle_aux_hidden_state_layer_ids"):
         rep.errors.append(f"{where}: missing field 'eagle_aux_hidden_state_layer_ids' (vLLM would capture its "
                           "default layers)")
@@ -187,8 +194,8 @@ def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype
     try:
         sc["proposal_methods"][0]["speculative_tokens"]
         sc["verifier"]["name_or_path"]
-        if sc.get("algorithm") != "eagle3":
-            rep.errors.append(f"{where}: speculators_config.algorithm {sc.get('algorithm')!r} != 'eagle3'")
+        if sc.get("algorithm") != smt:
+            rep.errors.append(f"{where}: speculators_config.algorithm {sc.get('algorithm')!r} != {smt!r}")
     except (KeyError, IndexError, TypeError):
         rep.errors.append(f"{where}: speculators_config lacks proposal_methods[0].speculative_tokens or "
                           "verifier.name_or_path (vLLM rejects it)")
@@ -203,9 +210,9 @@ def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype
         rep.errors.append(str(e))
         return None
     found = tensor_shapes_dtypes(d)
-    expected = _expected(Eagle3Head, cfg)
+    expected = _expected(PEagleHead if cfg.kind == "peagle" else Eagle3Head, cfg)
     optional = {"embed_tokens.weight", "d2t", "t2d"}
-    required = set(expected) - optional
+    required = set(expected) - optional  # a peagle head's mask_hidden included: vLLM refuses to run without it
     if not cfg.full_vocab:
         required |= {"d2t"}
     _compare_tensors(rep, str(d), found, expected, required, optional, "vLLM raises on unknown names", dtype)
@@ -217,6 +224,96 @@ def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype
         if cfg.num_aux != 3 or cfg.target_hidden_size != cfg.hidden_size:
             rep.errors.append(f"{where}: speculators 0.9.0 builds fc as 3*hidden_size; this head has "
                               f"{cfg.num_aux} aux layers of width {cfg.target_hidden_size}")
+    return cfg
+
+
+def _dflash_tensors(rep, d: Path, cfg, dtype, reader_note: str) -> None:
+    """Tensors of a DFlash directory (speculators or native): the target's embedding optional, lm_head and
+    d2t only with a draft vocabulary smaller than the target's, never mask_hidden."""
+    found = tensor_shapes_dtypes(d)
+    if "mask_hidden" in found:
+        rep.errors.append(f"{d}: tensor 'mask_hidden' present (vLLM's qwen3_dflash asserts there is none)")
+        found = {k: v for k, v in found.items() if k != "mask_hidden"}
+    expected = _expected(DFlashHead, cfg)
+    optional = {"embed_tokens.weight"} | ({"lm_head.weight", "d2t", "t2d"} if cfg.full_vocab else {"t2d"})
+    required = set(expected) - optional
+    _compare_tensors(rep, str(d), found, expected, required, optional, reader_note, dtype)
+    _check_vocab_map(rep, d, found, cfg)
+    if cfg.full_vocab and "lm_head.weight" in found:
+        rep.warnings.append(f"{d}: 'lm_head.weight' with a full draft vocabulary: speculators replaces it with the "
+                            "verifier's, vLLM uses it")
+
+
+def _check_speculators_dflash(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
+    where = str(d / "config.json")
+    if "model_type" in c:
+        rep.errors.append(f"{where}: top-level 'model_type' must be absent in a speculators config")
+    for key in ("speculators_version", "draft_vocab_size", "block_size", "aux_hidden_state_layer_ids",
+                "mask_token_id"):
+        if c.get(key) is None:
+            rep.errors.append(f"{where}: missing field {key!r}")
+    if c.get("architectures") != [SPEC_ARCHS["dflash"]]:
+        rep.warnings.append(f"{where}: architectures {c.get('architectures')} (speculators writes ['DFlashSpeculator'])")
+    if c.get("sample_from_anchor"):
+        rep.errors.append(f"{where}: sample_from_anchor is true (the anchor is the verified token; specheads' "
+                          "DFlash drafts block_size - 1 tokens)")
+    if c.get("sliding_window_non_causal", True) is False:
+        rep.errors.append(f"{where}: sliding_window_non_causal is false: vLLM 0.32 then runs every draft layer "
+                          "causally, but the block attends both ways")
+    tl = c.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        rep.errors.append(f"{where}: missing field 'transformer_layer_config'")
+        return None
+    _check_common_cfg(rep, f"{where}: transformer_layer_config", tl, target_vocab_size)
+    sc = c.get("speculators_config")
+    try:
+        k = sc["proposal_methods"][0]["speculative_tokens"]
+        sc["verifier"]["name_or_path"]
+        if sc.get("algorithm") != "dflash":
+            rep.errors.append(f"{where}: speculators_config.algorithm {sc.get('algorithm')!r} != 'dflash'")
+        if c.get("block_size") is not None and k != int(c["block_size"]) - 1:
+            rep.errors.append(f"{where}: speculative_tokens {k} != block_size - 1 = {int(c['block_size']) - 1}")
+    except (KeyError, IndexError, TypeError):
+        rep.errors.append(f"{where}: speculators_config lacks proposal_methods[0].speculative_tokens or "
+                          "verifier.name_or_path (vLLM rejects it)")
+        sc = {"verifier": {}}
+    _check_verifier(rep, where, sc.get("verifier") or {}, verifier)
+    rep.checked.append("speculators/vLLM dflash config fields")
+    if rep.errors:
+        return None
+    try:
+        cfg = parallel_fmt.dflash_head_config(c, where)
+    except (ExportError, ValueError) as e:
+        rep.errors.append(str(e))
+        return None
+    _dflash_tensors(rep, d, cfg, dtype, "vLLM raises on unknown names")
+    if "speculators" in rep.readers and cfg.target_hidden_size != cfg.hidden_size:
+        rep.errors.append(f"{where}: speculators 0.9.0 builds DFlash's fc as n_aux*hidden_size; this head reads "
+                          f"aux states of width {cfg.target_hidden_size}")
+    return cfg
+
+
+def _check_dflash_native(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
+    where = str(d / "config.json")
+    _check_common_cfg(rep, where, c, target_vocab_size)
+    if c.get("model_type") != "qwen3":
+        rep.errors.append(f"{where}: model_type {c.get('model_type')!r} != 'qwen3' (DFlash layers have q_norm/k_norm)")
+    L = c.get("num_target_layers")
+    ids = (c.get("dflash_config") or {}).get("target_layer_ids") or []
+    if L is None:
+        rep.warnings.append(f"{where}: no 'num_target_layers' (which target the layer ids were picked for is unknown)")
+    elif any(not 0 <= int(i) < int(L) for i in ids):
+        rep.errors.append(f"{where}: dflash_config.target_layer_ids {ids} out of range for {L} target layers "
+                          "(output-of-layer numbering: 0 .. L-1)")
+    rep.checked.append("native DFlash config fields")
+    if rep.errors:
+        return None
+    try:
+        cfg = dflash_fmt.config_to_head_config(c, where)
+    except (ExportError, ValueError) as e:
+        rep.errors.append(str(e))
+        return None
+    _dflash_tensors(rep, d, cfg, dtype, "vLLM raises on unknown names")
     return cfg
 
 
@@ -321,7 +418,8 @@ def _check_mtp(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
     return head.cfg
 
 
-CHECKS = {"speculators": _check_speculators, "sglang": _check_sglang, "eagle": _check_eagle, "mtp": _check_mtp}
+CHECKS = {"speculators": _check_speculators, "sglang": _check_sglang, "eagle": _check_eagle, "mtp": _check_mtp,
+          "dflash_native": _check_dflash_native}
 
 
 def check(d, *, target_vocab_size=None, verifier=None, reference_head=None, readers=None, dtype=None,
@@ -338,11 +436,31 @@ def check(d, *, target_vocab_size=None, verifier=None, reference_head=None, read
     return rep
 
 
+def _parallel_outputs(ref, head, ids, g):
+    """Both heads' logits of one parallel forward on random aux states: every depth of every anchor
+    (P-EAGLE), or blocks at a few anchors (DFlash)."""
+    cfg = ref.cfg
+    B, T = ids.shape
+    aux = torch.randn(B, T, cfg.num_aux * cfg.target_hidden_size, generator=g)
+    if isinstance(ref, DFlashHead):
+        anchors = torch.tensor([[1, T // 2], [2, T - 2]])
+        return [ref.block_forward_train(ids, aux, anchors)], [head.block_forward_train(ids, aux, anchors)]
+    K = cfg.num_depths
+    anchor = torch.arange(T).repeat_interleave(K)[None].expand(B, -1)
+    depth = torch.arange(K).repeat(T)[None].expand(B, -1)
+    return [ref.parallel_forward(ids, aux, anchor, depth)], [head.parallel_forward(ids, aux, anchor, depth)]
+
+
 @torch.no_grad()
 def _compare_outputs(rep, d: Path, ref, atol):
     head, _, _ = load_any(d)
+    if isinstance(ref, (PEagleHead, DFlashHead)) and type(head) is not type(ref):
+        rep.errors.append(f"{d}: reloads as a {type(head).__name__}, the reference is a {type(ref).__name__}")
+        return
     if isinstance(head, (Eagle1Head, MTPHead)) and not bool(head.lm_head.weight.any()):
         head.lm_head.weight.copy_(ref.lm_head.weight.float())  # shared target lm_head is not exported
+    if isinstance(head, DFlashHead) and not bool(head.lm_head.weight.any()):
+        head.lm_head.weight.copy_(ref.lm_head.weight.float())  # a full-vocabulary DFlash head shares the target's
     if not bool(head.embed_tokens.weight.any()):
         head.embed_tokens.weight.copy_(ref.embed_tokens.weight.float())  # shared target embedding
     ref = ref.float().eval()
@@ -352,7 +470,9 @@ def _compare_outputs(rep, d: Path, ref, atol):
     T = 8
     ids = torch.randint(0, cfg.target_vocab_size, (2, T), generator=g)
     pos = torch.arange(T)[None].expand(2, T)
-    if isinstance(ref, Eagle3Head):
+    if isinstance(ref, (PEagleHead, DFlashHead)):
+        a, b = _parallel_outputs(ref, head, ids, g)
+    elif isinstance(ref, Eagle3Head):
         from ..heads import ttt_forward
         aux = torch.randn(2, T, cfg.num_aux * cfg.target_hidden_size, generator=g)
         a, b = ttt_forward(ref, ids, aux, steps=2), ttt_forward(head, ids, aux, steps=2)

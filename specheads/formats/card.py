@@ -7,7 +7,15 @@ from pathlib import Path
 from .common import SIDE_FILE, ExportMeta, read_side
 
 
-def launch_lines(target: str, d: str, k: int, fmt: str = "speculators") -> dict[str, str]:
+def launch_lines(target: str, d: str, k: int, fmt: str = "speculators", kind: str | None = None) -> dict[str, str]:
+    """The serve commands; ``lines["sglang"]`` is None for the parallel kinds (SGLang serves neither).
+    ``k`` of a parallel kind is what one forward drafts: P-EAGLE's K, DFlash's block_size - 1."""
+    if kind in ("peagle", "dflash"):
+        # vLLM 0.32 SpeculativeConfig: P-EAGLE is eagle3 with parallel_drafting; dflash turns it on itself
+        spec = {"method": "eagle3", "model": d, "num_speculative_tokens": k, "parallel_drafting": True} \
+            if kind == "peagle" else {"method": "dflash", "model": d, "num_speculative_tokens": k}
+        return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(spec, separators=(',', ':'))}'",
+                "sglang": None}
     method = "eagle3"
     if fmt == "eagle":
         method = "eagle"
@@ -113,13 +121,20 @@ def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = Non
     hc = side.get("head_config", {})
     target = target or meta.verifier_name_or_path or "TARGET"
     d = model_path or head_path_for_card(out)
-    k = int(meta.speculative_tokens)
-    lines = launch_lines(target, d, k, fmt)
     kind = hc.get("kind", "draft")
+    k = int(meta.speculative_tokens)
+    if kind == "peagle":
+        k = int(hc.get("num_depths", k))
+    elif kind == "dflash":
+        k = int(hc.get("block_size", k + 1)) - 1
+    lines = launch_lines(target, d, k, fmt, kind)
+    how = {"peagle": f"It drafts K = {k} tokens in one forward (P-EAGLE, parallel drafting)",
+           "dflash": f"It drafts a block of {k + 1} slots (the verified anchor + {k} drafted tokens) in one forward "
+                     "(DFlash)"}.get(kind, f"It proposes {k} tokens per step")
     md = ["---", "library_name: specheads", f"base_model: {target}", f"tags: [speculative-decoding, {kind}, {fmt}]",
           "---", "", f"# {kind.upper()} draft head for `{target}`", "",
           f"A speculative-decoding draft head in the **{fmt}** layout, exported by specheads "
-          f"{meta.specheads_version}. It proposes {k} tokens per step; the target verifies them, so outputs are "
+          f"{meta.specheads_version}. {how}; the target verifies them, so outputs are "
           "unchanged.", "", "## Target", ""]
     md += _table([("verifier", f"`{target}`"), ("architectures", ", ".join(meta.verifier_architectures) or None),
                   ("vocabulary", _num(meta.target_vocab_size)),
@@ -130,11 +145,17 @@ def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = Non
             ("attention heads (kv) × head_dim",
              f"{hc.get('num_attention_heads')} ({hc.get('num_key_value_heads')}) × {hc.get('head_dim')}"),
             ("decoder layers", hc.get("num_layers")), ("draft vocabulary", _num(hc.get("draft_vocab_size"))),
-            ("norm_before_residual", hc.get("norm_before_residual"))]) + [""]
+            ("kind", kind if kind in ("peagle", "dflash") else None),
+            ("tokens per forward (K)", hc.get("num_depths") if kind == "peagle" else None),
+            ("block size", hc.get("block_size") if kind == "dflash" else None),
+            ("mask token id", hc.get("mask_token_id") if kind in ("peagle", "dflash") else None),
+            ("norm_before_residual", hc.get("norm_before_residual") if kind != "dflash" else None)]) + [""]
     if report_json:
         md += acceptance_section(json.loads(Path(report_json).read_text()), head_path_for_card(report_json))
     md += ["## Serve", "", f"`{d}` is this head's folder; after moving it, give its new path.", "",
-           "vLLM:", "", "```bash", lines["vllm"], "```", "", "SGLang:", "", "```bash", lines["sglang"], "```", ""]
+           "vLLM:", "", "```bash", lines["vllm"], "```", ""]
+    md += (["SGLang:", "", "```bash", lines["sglang"], "```", ""] if lines["sglang"]
+           else [f"SGLang has no reader for a {kind} head.", ""])
     data_rows = _data_rows(meta.data)
     if data_rows:
         md += ["## Data", ""] + _table(data_rows) + [""]

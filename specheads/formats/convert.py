@@ -5,10 +5,23 @@ from pathlib import Path
 
 import torch
 
-from . import eagle, mtp, sglang, speculators
+from . import dflash_native, eagle, mtp, sglang, speculators
 from .common import ExportError, read_json, read_side
 
-MODULES = {"speculators": speculators, "sglang": sglang, "eagle": eagle, "mtp": mtp}
+MODULES = {"speculators": speculators, "sglang": sglang, "eagle": eagle, "mtp": mtp, "dflash_native": dflash_native}
+SPECULATORS_TYPES = ("eagle3", "peagle", "dflash")
+# the formats that can hold each head kind (the others would drop what makes the head work)
+KIND_FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle",), "mtp": ("mtp",),
+                "peagle": ("speculators",), "dflash": ("speculators", "dflash_native")}
+
+
+def check_kind_format(kind: str, fmt: str) -> None:
+    """A head kind written in a format that cannot hold it is an ExportError naming both."""
+    if fmt not in MODULES:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {sorted(MODULES)}")
+    if kind in KIND_FORMATS and fmt not in KIND_FORMATS[kind]:
+        raise ExportError(f"a {kind} head cannot be written as {fmt!r}; formats for {kind}: "
+                          f"{', '.join(KIND_FORMATS[kind])}")
 
 
 def detect_format(d) -> str:
@@ -20,10 +33,12 @@ def detect_format(d) -> str:
         raise ExportError(f"{d}: not a head directory (no config.json)")
     c = read_json(cfg_path)
     if "speculators_model_type" in c:
-        if c["speculators_model_type"] != "eagle3":
+        if c["speculators_model_type"] not in SPECULATORS_TYPES:
             raise ExportError(f"{cfg_path}: speculators_model_type {c['speculators_model_type']!r} is not supported "
-                              "(only 'eagle3')")
+                              f"(only {', '.join(repr(t) for t in SPECULATORS_TYPES)})")
         return "speculators"
+    if dflash_native.is_native(c):
+        return "dflash_native"
     archs = c.get("architectures") or []
     if any(a in sglang.ARCHS for a in archs):
         return "sglang"
@@ -58,12 +73,16 @@ def convert(src, fmt: str, out, dtype: torch.dtype = torch.bfloat16, **save_kw) 
     if fmt not in MODULES:
         raise ExportError(f"unknown format {fmt!r}; choose one of {sorted(MODULES)}")
     head, meta, _ = load_any(src)
+    if head.cfg.kind in ("peagle", "dflash"):
+        check_kind_format(head.cfg.kind, fmt)
     return MODULES[fmt].save(head, meta, out, dtype=dtype, **save_kw)
 
 
 def save(head, meta, out_dir, fmt: str, dtype: torch.dtype = torch.bfloat16, **kw) -> Path:
     if fmt not in MODULES:
         raise ExportError(f"unknown format {fmt!r}; choose one of {sorted(MODULES)}")
+    if head.cfg.kind in ("peagle", "dflash"):  # a P-EAGLE head is an Eagle3Head: sglang's save would take it
+        check_kind_format(head.cfg.kind, fmt)
     return MODULES[fmt].save(head, meta, out_dir, dtype=dtype, **kw)
 
 
@@ -78,12 +97,20 @@ def load_head_for(d, target, dtype: torch.dtype = torch.float32):
     from specheads.heads.config import target_mismatches
 
     head, meta, _fmt = load_any(d, dtype=dtype)
+    if head.cfg.kind == "dflash":  # checked before the target's rows are copied in; the depth fixes the layer ids
+        problems = dflash_native.target_problems(head.cfg, target.identity())
+        if problems:
+            raise ExportError(f"{d}: head does not match the target: " + "; ".join(problems))
     emb = getattr(head, "embed_tokens", None)
     if emb is not None and not bool(emb.weight.any()):
         emb.weight.data.copy_(target.embed_tokens.weight.to(emb.weight.dtype))
     lm = getattr(head, "lm_head", None)
     if head.cfg.kind in ("eagle1", "mtp") and lm is not None and not bool(lm.weight.any()):
         lm.weight.data.copy_(target.lm_head.weight.to(lm.weight.dtype))
+    if head.cfg.kind == "dflash" and lm is not None and not bool(lm.weight.any()):
+        # a full-vocabulary DFlash head ships no lm_head: it is the target's (draft ids = target ids)
+        ids = head.draft_to_target(torch.arange(head.cfg.draft_vocab_size, device=head.d2t.device))
+        lm.weight.data.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)].to(lm.weight.dtype))
     problems = target_mismatches(head.cfg, target.identity(), trained_for=meta.target_config if meta else None)
     if problems:
         raise ExportError(f"{d}: head does not match the target: " + "; ".join(problems))

@@ -81,8 +81,9 @@ def build_config(head: Eagle3Head, meta: ExportMeta, dtype: torch.dtype) -> dict
 
 
 def save(head: Eagle3Head, meta: ExportMeta | None, out_dir, dtype: torch.dtype = torch.bfloat16) -> Path:
-    if not isinstance(head, Eagle3Head):
-        raise ExportError(f"sglang format holds EAGLE-3 heads, got {type(head).__name__}")
+    if not isinstance(head, Eagle3Head) or head.cfg.kind != "eagle3":
+        raise ExportError(f"sglang format holds EAGLE-3 heads, got {type(head).__name__} ({head.cfg.kind}): SGLang "
+                          f"has no reader for parallel drafting; export it as speculators for vLLM")
     bad = sglang_unsupported(head.cfg)
     if bad:
         raise ExportError("head cannot be expressed in SGLang's LlamaForCausalLMEagle3: " + "; ".join(bad))

@@ -11,6 +11,10 @@ False), ``eagle_aux_hidden_state_layer_ids`` and the first proposal's
 Tensor names are the head's state-dict names (``layers.0.*``, ``fc.weight``,
 ``norm.weight``, ``lm_head.weight``, ``embed_tokens.weight``, ``d2t``,
 ``t2d``); ``d2t``/``t2d`` are omitted for a full draft vocabulary.
+
+P-EAGLE (``peagle``) and DFlash (``dflash``) heads are dispatched to
+``speculators_parallel.py`` (by ``HeadConfig.kind`` on save, by
+``speculators_model_type`` on load); EAGLE-3 output is unchanged.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from pathlib import Path
 import torch
 
 from ..fileio import write_json_atomic
-from ..heads import Eagle3Head, HeadConfig
+from ..heads import Eagle3Head, HeadConfig, PEagleHead
+from . import speculators_parallel as parallel
 from .common import (DTYPE_NAMES, WEIGHTS_FILE, ExportError, ExportMeta, fill_meta, head_fields_from_layer_config,
                      layer_config_dict, load_into, load_tensors, prepare_out_dir, read_json, read_side, save_tensors, write_side)
 
@@ -73,21 +78,36 @@ def build_config(head: Eagle3Head, meta: ExportMeta, dtype: torch.dtype) -> dict
 
 def save(head: Eagle3Head, meta: ExportMeta | None, out_dir, dtype: torch.dtype = torch.bfloat16,
          include_embedding: bool = True) -> Path:
+    kind = getattr(getattr(head, "cfg", None), "kind", None)
+    if kind == "dflash":
+        return parallel.save_dflash(head, meta, out_dir, dtype)
+    if kind == "peagle":
+        bad = parallel.peagle_refusals(head)
+        if bad:
+            raise ExportError("cannot write a speculators peagle head: " + "; ".join(bad))
     if not isinstance(head, Eagle3Head):
         raise ExportError(f"speculators format holds EAGLE-3 heads, got {type(head).__name__}")
     if not head.cfg.full_vocab and not bool(head.t2d.any()):
         raise ExportError("d2t/t2d are unset: draft vocab < target vocab needs the vocabulary mapping")
     meta = fill_meta(head, meta)
     out = prepare_out_dir(out_dir)
+    config = build_config(head, meta, dtype)
+    if kind == "peagle":  # the EAGLE-3 layout plus mask_hidden (already in the state dict) and K
+        meta.speculative_tokens = head.cfg.num_depths
+        config = parallel.peagle_config(config, head, meta)
     save_tensors(export_tensors(head, include_embedding), out / WEIGHTS_FILE, dtype)
-    write_json_atomic(out / "config.json", build_config(head, meta, dtype))
+    write_json_atomic(out / "config.json", config)
     write_side(out, FORMAT, head, meta, dtype)
     return out
 
 
 def config_to_head_config(c: dict, where: str) -> HeadConfig:
-    if c.get("speculators_model_type") != "eagle3":
-        raise ExportError(f"{where}: speculators_model_type is {c.get('speculators_model_type')!r}, expected 'eagle3'")
+    """The HeadConfig of an eagle3, peagle or dflash speculators config."""
+    if c.get("speculators_model_type") == "dflash":
+        return parallel.dflash_head_config(c, where)
+    if c.get("speculators_model_type") not in ("eagle3", "peagle"):
+        raise ExportError(f"{where}: speculators_model_type is {c.get('speculators_model_type')!r}, expected one "
+                          "of 'eagle3', 'peagle', 'dflash'")
     tl = c.get("transformer_layer_config")
     if not isinstance(tl, dict):
         raise ExportError(f"{where}: missing field 'transformer_layer_config'")
@@ -102,12 +122,20 @@ def config_to_head_config(c: dict, where: str) -> HeadConfig:
               norm_before_residual=bool(c.get("norm_before_residual", True)),
               norm_before_fc=bool(c.get("norm_before_fc", False)), fc_norm=bool(c.get("fc_norm", False)),
               norm_output=bool(c.get("norm_output", False)))
-    return HeadConfig(**kw)
+    if c["speculators_model_type"] != "peagle":
+        return HeadConfig(**kw)
+    kw.update(parallel.peagle_fields(c, where))
+    try:
+        return HeadConfig(**kw)
+    except ValueError as e:
+        raise ExportError(f"{where}: {e}") from None
 
 
 def load(d, dtype: torch.dtype = torch.float32):
     d = Path(d)
     c = read_json(d / "config.json")
+    if c.get("speculators_model_type") == "dflash":
+        return parallel.load_dflash(d, c, dtype)
     cfg = config_to_head_config(c, str(d / "config.json"))
     side = read_side(d)
     if side and side.get("head_config"):
@@ -115,8 +143,10 @@ def load(d, dtype: torch.dtype = torch.float32):
                  if k in ("init_lm_head_from_target", "target_model_type", "target_num_layers",
                           "target_architectures", "tie_embeddings")}
         cfg = cfg.replace(**extra)
-    head = Eagle3Head(cfg)
+    head = PEagleHead(cfg) if cfg.kind == "peagle" else Eagle3Head(cfg)
     tensors = load_tensors(d)
+    if cfg.kind == "peagle":
+        parallel.check_peagle_tensors(tensors, str(d))
     optional = ["embed_tokens.weight"] + (["d2t", "t2d"] if cfg.full_vocab else [])
     load_into(head, tensors, str(d), optional=optional)
     head = head.to(dtype)
