@@ -21,6 +21,9 @@ vLLM as token ids rendered by our chat code:
   c. the SGLang-layout export as the eagle3 draft
   d. ``method: "ngram"`` (prompt_lookup 1..4) vs our n-gram drafter with vLLM's matching rule
      (and, reported only, our default rule)
+  e. a P-EAGLE head (2 layers, K = 3) as ``method: "eagle3"`` with ``parallel_drafting: true``
+  f. a DFlash head (2 layers, block 4) as ``method: "dflash"``, from the speculators layout and the
+     native one (both trained beside the EAGLE-3 head on the same rows and dump)
   and plain vLLM.
 
 Tolerance (derivation in docs/VLLM_INTEROP.md): greedy fp32 with identical prompt ids gives
@@ -157,8 +160,40 @@ def trained_run():
     return root / "run"
 
 
+# the parallel drafters, trained on the same rows and dump (DFlash on EAGLE-3's three layers, so that the
+# dump serves it): k = K tokens per forward each
+PARALLEL = {"peagle": ["head.kind=peagle", "head.num_layers=2", f"head.num_depths={K}"],
+            "dflash": ["head.kind=dflash", "head.num_layers=2", f"head.block_size={K + 1}",
+                       "head.aux_layer_ids=[2,15,27]", "train.dflash_anchors=32"]}
+
+
 @pytest.fixture(scope="session")
-def exports(trained_run, target_dir, tmp_path_factory):
+def parallel_runs(trained_run):
+    """P-EAGLE and DFlash heads trained through the CLI beside the EAGLE-3 run (cached with it)."""
+    from specheads.cli import main
+
+    recipe = trained_run.parent / "recipe.yaml"
+    out = {}
+    for kind, ov in PARALLEL.items():
+        td = trained_run / f"train_{kind}"
+        done = trained_run.parent / f"DONE_{kind}"
+        if not done.is_file():
+            with _timed(f"train {kind}"):
+                assert main(["train", str(recipe), *ov, f"train.out={td}", "train.overwrite=true"]) == 0, kind
+            done.write_text("ok\n")
+        out[kind] = td / "final"
+    return out
+
+
+def _local_verifier(d: Path, target_dir: Path) -> None:
+    """The verifier must resolve offline for vLLM to build target + draft from the export alone."""
+    c = json.loads((d / "config.json").read_text())
+    c["speculators_config"]["verifier"]["name_or_path"] = str(target_dir)
+    (d / "config.json").write_text(json.dumps(c, indent=2))
+
+
+@pytest.fixture(scope="session")
+def exports(trained_run, parallel_runs, target_dir, tmp_path_factory):
     from specheads.cli import main
 
     out = tmp_path_factory.mktemp("vllm_exports")
@@ -168,11 +203,16 @@ def exports(trained_run, target_dir, tmp_path_factory):
                      "--k", str(K)]) == 0
         assert main(["export", str(trained_run), "--format", "sglang", "--out", str(sgl), "--dtype", "float32",
                      "--k", str(K)]) == 0
-        # the verifier must resolve offline for vLLM to build target + draft from the export alone
-        c = json.loads((spec / "config.json").read_text())
-        c["speculators_config"]["verifier"]["name_or_path"] = str(target_dir)
-        (spec / "config.json").write_text(json.dumps(c, indent=2))
-    return {"speculators": spec, "sglang": sgl}
+        _local_verifier(spec, target_dir)
+        got = {"speculators": spec, "sglang": sgl}
+        for name, src, fmt in (("peagle", parallel_runs["peagle"], "speculators"),
+                               ("dflash", parallel_runs["dflash"], "speculators"),
+                               ("dflash_native", parallel_runs["dflash"], "dflash_native")):
+            assert main(["export", str(src), "--format", fmt, "--out", str(out / name), "--dtype", "float32"]) == 0
+            if fmt == "speculators":
+                _local_verifier(out / name, target_dir)
+            got[name] = out / name
+    return got
 
 
 @pytest.fixture(scope="session")
@@ -202,6 +242,8 @@ def ours(smollm2, exports, conversations):
         "eagle3_speculators": build_drafter(RunSpec("s", str(exports["speculators"]), k=K), smollm2, engine.dtype,
                                              engine.device),
         "eagle3_sglang": build_drafter(RunSpec("g", str(exports["sglang"]), k=K), smollm2, engine.dtype, engine.device),
+        **{name: build_drafter(RunSpec(name, str(exports[name]), k=K), smollm2, engine.dtype, engine.device)
+           for name in ("peagle", "dflash", "dflash_native")},
         "ngram_vllm_rule": VllmRuleNGramDrafter(1, 4),
         "ngram_ours": NGramDrafter(1, 4),
     }
@@ -238,6 +280,13 @@ def theirs(vllm_python, target_dir, exports, ours, tmp_path_factory):
                                                         "num_speculative_tokens": K}),
         "ngram": dict(base, speculative_config={"method": "ngram", "num_speculative_tokens": K,
                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 4}),
+        # P-EAGLE is EAGLE-3 with parallel drafting; DFlash its own method, from either layout
+        "peagle": dict(base, speculative_config={"method": "eagle3", "model": str(exports["peagle"]),
+                                                 "num_speculative_tokens": K, "parallel_drafting": True}),
+        "dflash": dict(base, speculative_config={"method": "dflash", "model": str(exports["dflash"]),
+                                                 "num_speculative_tokens": K}),
+        "dflash_native": dict(base, speculative_config={"method": "dflash", "model": str(exports["dflash_native"]),
+                                                        "num_speculative_tokens": K}),
     }
     out = {}
     for name, job in jobs.items():
@@ -298,7 +347,8 @@ def _summary(ours, theirs) -> dict:
 # ------------------------------------------------------------------------------------- tests
 vllm = pytest.mark.vllm
 PAIRS = [("eagle3_speculators", "eagle3_speculators"), ("eagle3_as_model", "eagle3_speculators"),
-         ("eagle3_sglang", "eagle3_sglang"), ("ngram", "ngram_vllm_rule")]
+         ("eagle3_sglang", "eagle3_sglang"), ("ngram", "ngram_vllm_rule"), ("peagle", "peagle"),
+         ("dflash", "dflash"), ("dflash_native", "dflash_native")]
 
 
 @vllm
@@ -378,6 +428,25 @@ def test_what_vllm_read(theirs, target_dir, exports):
     assert sgl["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     n = theirs["ngram"]["resolved"]
     assert (n["method"], n["prompt_lookup_min"], n["prompt_lookup_max"]) == ("ngram", 1, 4)
+
+
+@vllm
+def test_what_vllm_read_of_the_parallel_drafters(theirs, exports):
+    """P-EAGLE as vLLM's P-EAGLE model (EAGLE-3 with parallel drafting, the mask token as its pard token);
+    DFlash as DFlashDraftModel reading the same HF-index layers from both layouts: the native one numbers
+    them by output (one lower), and vLLM adds the one back."""
+    p = theirs["peagle"]["resolved"]
+    assert p["method"] == "eagle3" and p["num_speculative_tokens"] == K, p
+    assert "PeagleLlamaForCausalLM" in p["draft_architectures"] and p["aux_layer_ids"] == [2, 15, 27], p
+    for name in ("dflash", "dflash_native"):
+        r = theirs[name]["resolved"]
+        assert r["method"] == "dflash" and r["num_speculative_tokens"] == K, (name, r)
+        assert "DFlashDraftModel" in r["draft_architectures"], (name, r)
+        # the same three layers from both layouts: HF index [2, 15, 27] is DFlash's [1, 14, 26]
+        assert r["dflash_target_layer_ids"] == [1, 14, 26], (name, r)
+    assert theirs["dflash"]["resolved"]["aux_layer_ids"] == [2, 15, 27]
+    native = json.loads((exports["dflash_native"] / "config.json").read_text())
+    assert native["dflash_config"]["target_layer_ids"] == [1, 14, 26]
 
 
 @vllm
@@ -488,3 +557,6 @@ def test_ngram_vllm_rule_equals_vllms_kernel(vllm_python, tmp_path):
         d = VllmRuleNGramDrafter(mn, mx)
         bad = [(h, t) for h, t in zip(hist, theirs) if d.lookup(h, K) != t]
         assert not bad, bad[:3]
+
+
+# ------------------------------------------------------------------------------------- DFlash on vLLM CPU

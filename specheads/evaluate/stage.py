@@ -27,6 +27,7 @@ from specheads.evaluate.report import write_report
 from specheads.formats.convert import load_head_for
 from specheads.runtime.chat import chat_generate
 from specheads.runtime.drafters import make_drafter
+from specheads.runtime.engines.static import parallel_drafter
 from specheads.runtime.metrics import summarize
 from specheads.runtime.model import TargetModel
 from specheads.rundir import RunDir, RunLockedError, output_lock, stage_lock
@@ -146,6 +147,16 @@ def build_drafter(spec: RunSpec, target, dtype, device, min_match: int = 3, comp
     return d.compile() if compile else d
 
 
+def _default_parallel_k(spec: RunSpec, drafter, e) -> None:
+    """A parallel head (P-EAGLE, DFlash) drafts a fixed number of tokens per forward: without an
+    explicit eval.k its runs take k = that number (known only once the head is loaded), not 3."""
+    par = parallel_drafter(drafter)
+    if par is None or "k" in e.model_fields_set or spec.tree:
+        return
+    k = par.tokens_per_forward
+    spec.name, spec.k = spec.name.replace(f"k={spec.k}", f"k={k}"), k
+
+
 # --- the evaluation ------------------------------------------------------------------------
 
 
@@ -219,6 +230,7 @@ def run_eval(recipe, target=None) -> dict:
         if key not in drafters:
             drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match, e.compile)
         drafter = drafters[key]
+        _default_parallel_k(spec, drafter, e)
         chat_generate(engine, tok, prompts[:e.batch_size], drafter=drafter, k=spec.k, tree=spec.tree_config(),
                       rule=spec.rule, thresholds=spec.thresholds, **warm)
         with _Progress(n_tokens, spec.name) as cb:

@@ -71,6 +71,9 @@ def _resolved(llm) -> dict:
                    aux_layer_ids=list(ids) if ids else None, aux_layer_ids_from=src if ids else None,
                    draft_vocab_size=getattr(hf, "draft_vocab_size", None),
                    norm_before_residual=getattr(hf, "norm_before_residual", None))
+        dflash = getattr(hf, "dflash_config", None)
+        if isinstance(dflash, dict):     # DFlash numbers its layers by output: one below the HF index
+            out["dflash_target_layer_ids"] = dflash.get("target_layer_ids")
     return out
 
 

@@ -12,12 +12,14 @@ from .draft_model import DraftModelDrafter
 from .head import DraftCache, Eagle1Drafter, Eagle3Drafter, HeadDrafter, MTPDrafter, head_config
 from .hybrid import HybridDrafter
 from .ngram import NGramDrafter, ngram_match
+from .parallel import DFlashDrafter, PEagleDrafter
 
-HEAD_DRAFTERS = {"eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter, "mtp": MTPDrafter}   # by HeadConfig.kind
+HEAD_DRAFTERS = {"eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter, "mtp": MTPDrafter,   # by HeadConfig.kind
+                 "peagle": PEagleDrafter, "dflash": DFlashDrafter}
 
 
 def drafter_for_head(head, name: str | None = None, target_vocab_size: int | None = None) -> HeadDrafter:
-    """The drafter class for a head's kind (eagle3 / eagle1 / mtp). Refuses (``DraftVocabError``)
+    """The drafter class for a head's kind (eagle3 / eagle1 / mtp / peagle / dflash). Refuses (``DraftVocabError``)
     a head whose vocabulary mapping is inconsistent, or does not fit ``target_vocab_size``."""
     cls = HEAD_DRAFTERS[head_config(head).kind]
     return cls(head, name=name, target_vocab_size=target_vocab_size)
@@ -59,6 +61,7 @@ def make_drafter(kind: str, head=None, *, name: str | None = None, target_vocab_
                           ngram_backend=ngram_backend, adaptive=adaptive)
 
 
-__all__ = ["DRAFTERS", "DRAFTER_KINDS", "HEAD_DRAFTERS", "DraftCache", "DraftContext", "DraftModelDrafter", "Drafter",
-           "DraftVocabError", "Eagle1Drafter", "Eagle3Drafter", "HeadDrafter", "HybridDrafter", "MTPDrafter",
-           "NGramDrafter", "Proposal", "Verified", "drafter_for_head", "make_drafter", "ngram_match"]
+__all__ = ["DRAFTERS", "DRAFTER_KINDS", "HEAD_DRAFTERS", "DFlashDrafter", "DraftCache", "DraftContext",
+           "DraftModelDrafter", "Drafter", "DraftVocabError", "Eagle1Drafter", "Eagle3Drafter", "HeadDrafter",
+           "HybridDrafter", "MTPDrafter", "NGramDrafter", "PEagleDrafter", "Proposal", "Verified", "drafter_for_head",
+           "make_drafter", "ngram_match"]

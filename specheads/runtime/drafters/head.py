@@ -1,4 +1,5 @@
-"""Hidden-state head drafters: EAGLE-3, EAGLE-1 and MTP (chains and trees), and the head's KV cache.
+"""Hidden-state head drafters: EAGLE-3, EAGLE-1 and MTP (chains and trees), and the head's KV cache
+(``parallel.py`` builds P-EAGLE and DFlash on these).
 
 They call the head through the contract in docs/ARCHITECTURE.md: ``head.project(aux)``
 (EAGLE-3), ``head.forward_step(input_ids, hidden, position_ids, attention_mask=None,
@@ -50,6 +51,14 @@ class DraftCache:
         if self.attn_backend == "triton":
             self.kernel_mask = additive_mask(mask, self.k[0].dtype, groups)
 
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, write_pos: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
+        """K/V [B, KvH, T, D] into slots ``write_pos`` [B, T] of cache rows ``rows`` (None: the first B)
+        without a query: DFlash's context enters the cache as keys and values only."""
+        K, V = self.k[layer_idx], self.v[layer_idx]
+        kernels.kv_cache_write(K, V, k.to(K.dtype), v.to(V.dtype), write_pos.clamp(max=self.max_seq - 1), rows,
+                               backend=self.attn_backend)
+
     def attend(self, layer_idx, q, k, v, attention_mask=None, attn_module=None):
         """q [B, H, T, D], k / v [B, KvH, T, D] of the new tokens -> o [B, H, T, D]."""
         B, H, T, D = q.shape
@@ -99,6 +108,7 @@ class HeadDrafter(Drafter):
     graph (``graph_safe``). Buffers are kept per (batch, max_seq) and reused by later calls."""
 
     kind = "eagle3"
+    uses_aux = True             # the first pass reads fc(target aux states); False: the target's final state
     supports_tree = True
     provides_probs = True
     graph_safe = True
@@ -114,7 +124,7 @@ class HeadDrafter(Drafter):
             raise DraftVocabError(f"{self.name}: vocabulary mapping does not fit: " + "; ".join(bad))
         if target_vocab_size is not None:
             self.check_target(target_vocab_size)
-        if self.kind == "eagle3":
+        if self.uses_aux:
             self.aux_layer_ids = tuple(self.cfg.aux_layer_ids)
         else:
             self.needs_final = True
@@ -181,7 +191,7 @@ class HeadDrafter(Drafter):
 
     # -- the coupling to heads/: everything below goes through these three methods
     def _input_hidden(self, v: Verified) -> torch.Tensor:
-        if self.kind == "eagle3":
+        if self.uses_aux:
             return self.head.project(v.aux)
         return v.final
 
@@ -240,7 +250,7 @@ class HeadDrafter(Drafter):
         if self.state is None:
             raise RuntimeError("update() before start()")
         st, B = self.state, v.next_tokens.shape[0]
-        states = v.aux if self.kind == "eagle3" else v.final
+        states = v.aux if self.uses_aux else v.final
         if st.root_logits is None or st.root_logits.shape[0] != B:
             # the prompt's pass (eager) sizes the root buffers every later pass writes in place:
             # captured graphs read and write these very tensors
@@ -257,7 +267,7 @@ class HeadDrafter(Drafter):
         st = self.state
         if st is None:
             raise RuntimeError("admit() before start()")
-        states = v.aux if self.kind == "eagle3" else v.final
+        states = v.aux if self.uses_aux else v.final
         out = self._first_pass(v.start, v.count, v.next_tokens, states, min(round_up(v.next_tokens.shape[1]),
                                                                             self.cache.slots), rows=rows)
         B = self.ctx.batch
@@ -278,7 +288,7 @@ class HeadDrafter(Drafter):
         c.lengths[at] = start
         pos = start[:, None] + torch.arange(W, device=dev)
         mask = build_attn_mask(c.lengths[at], pos.clamp(max=kv_len - 1), None, kv_len)
-        hidden = self.head.project(states) if self.kind == "eagle3" else states
+        hidden = self.head.project(states) if self.uses_aux else states
         if rows is None:
             logits, h = self._inner_step(next_tokens, hidden, pos, pos, mask, kv_len)
         else:     # admission: eager, as the target's prefill (its prompt widths would recompile a compiled step)
@@ -385,7 +395,9 @@ class Eagle3Drafter(HeadDrafter):
 
 class Eagle1Drafter(HeadDrafter):
     kind = "eagle1"
+    uses_aux = False
 
 
 class MTPDrafter(HeadDrafter):
     kind = "mtp"
+    uses_aux = False

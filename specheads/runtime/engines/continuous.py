@@ -284,10 +284,10 @@ class ContinuousGeneration(Generation):
         r.stop_token_ids = sorted(set(int(t) for t in stops))
         if not r.prompt or r.max_new_tokens < 1:
             raise ValueError("every request needs a prompt of at least one token and max_new_tokens >= 1")
-        need = len(r.prompt) + r.max_new_tokens + self.K + 1       # K: the draft slots past a row's cache
+        need = len(r.prompt) + r.max_new_tokens + self.spec + 1    # spec: the draft slots past a row's cache
         if need > self.model.max_seq:
             raise ValueError(f"prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens}"
-                             f"{f' + {self.K} draft slots' if self.K else ''} needs a cache of {need} positions; "
+                             f"{f' + {self.spec} draft slots' if self.spec else ''} needs a cache of {need} positions; "
                              f"the engine has max_seq={self.model.max_seq}")
         if len(r.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(r.stop_token_ids)} stop ids > {MAX_STOP_IDS}")

@@ -107,12 +107,30 @@ def check_drafter(model, drafter, k, tree, rule) -> int:
             if rule == "rejection" and not getattr(drafter, "provides_probs", False):
                 raise ValueError(f"rule 'rejection' needs draft probabilities; {type(drafter).__name__} "
                                  f"proposes one-hot drafts: use rule='onehot'")
-            spec = k
+            par = parallel_drafter(drafter)
+            if par is not None:
+                par.check_k(k)
+            spec = chain_draft_slots(drafter, k)
     elif rule not in ("greedy", "onehot", "rejection"):
         raise ValueError(f"rule {rule!r} needs a drafter with a tree")
     if drafter is not None and getattr(drafter, "check_target", None) is not None:
         drafter.check_target(model.args.vocab_size)          # a head that does not fit: refused here, named
     return spec
+
+
+def parallel_drafter(drafter):
+    """The drafter, or a hybrid's head drafter, that drafts a block per forward (P-EAGLE, DFlash), if any."""
+    for d in (drafter, getattr(drafter, "head", None)):
+        if d is not None and hasattr(d, "check_k") and hasattr(d, "draft_slots"):
+            return d
+    return None
+
+
+def chain_draft_slots(drafter, k: int) -> int:
+    """Slots past a row's cache a chain step of k drafts may write: k, or a parallel drafter's whole
+    block (DFlash runs all block_size slots whatever k), which must fit in max_seq as the drafts do."""
+    par = parallel_drafter(drafter)
+    return k if par is None else max(k, int(par.draft_slots(k)))
 
 
 @torch.no_grad()
@@ -186,7 +204,9 @@ class Generation(StepLauncher):
         self.n_draw = 1 + self.K                                   # accept / sample uniforms per step
         self.n_du = k if (drafter is not None and tr is None and rule == "rejection") else 0
         self.Wu = 2 * self.n_draw + self.n_du if self.sampling else 0
-        draft_slots = (tr.depth - 1) * tr.topk if tr is not None else self.K
+        # what the target's checks and the attention width must cover past a row's cache
+        self.spec = self.K if drafter is None or tr is not None else chain_draft_slots(drafter, k)
+        draft_slots = (tr.depth - 1) * tr.topk if tr is not None else self.spec
         width = tr.depth + 1 if tr is not None else self.K + 1     # positions a step commits (and re-drafts)
         self.reach = max(self.K + 1, draft_slots + 1, width)       # slots past a row's cache a step may touch
         self.aux_ids = tuple(getattr(drafter, "aux_layer_ids", ()) or ()) if drafter is not None else ()
