@@ -183,7 +183,8 @@ def summary_lines(out: Path, rep, meta, fmt: str, files_in: Path | None = None, 
     lines.append(f"validation ({', '.join(rep.readers)}): {verdict}")
     if rep.max_output_diff is not None:
         # bf16 storage rounds every weight, so the reloaded logits move a little; the tolerance says how much may
-        lines.append(f"  reloaded as the readers load it, the head's draft logits (random inputs, 2 TTT steps) differ "
+        how = {"peagle": "every depth of random anchors", "dflash": "random blocks"}.get(kind, "2 TTT steps")
+        lines.append(f"  reloaded as the readers load it, the head's draft logits (random inputs, {how}) differ "
                      f"from the trained head's by at most {rep.max_output_diff:.3g} (tolerance {rep.output_tolerance:.3g}; "
                      f"largest logit {rep.output_scale:.3g})")
     lines += [f"  warning: {w}" for w in rep.warnings]

@@ -105,12 +105,18 @@ def _check_inputs(recipe) -> None:
     """A missing or stale store, token rows or draft vocabulary fails here, before any weights load."""
     from specheads.data.stage import check_rows, check_vocab
     from specheads.dump.reader import open_manifest
+    from specheads.layer_ids import resolve_aux_layer_ids
+    from specheads.rundir import check_store_identity
 
     if recipe.dump.mode == "offline":
         dump = RunDir(recipe).dump
         manifest = open_manifest(dump)
         check_stage_inputs(manifest.get("recipe_inputs"), recipe, "prepare", dump,
                            "specheads data prepare RECIPE` and `specheads dump RECIPE")
+        # the head's layers must be in the store (a DFlash head reads five, an EAGLE-3 dump holds three)
+        layers = resolve_aux_layer_ids(recipe.head.aux_layer_ids, manifest["target"]["num_layers"],
+                                       kind=recipe.head.kind)
+        check_store_identity(manifest, dump, expected_layer_ids=layers)
     else:
         check_rows(recipe)
     if recipe.head.kind in DRAFT_VOCAB_KINDS:
