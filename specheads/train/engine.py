@@ -2,9 +2,7 @@
 
 * :func:`distributed`: without a launcher the process sets ``MASTER_ADDR/PORT, RANK=0, WORLD_SIZE=1,
   LOCAL_RANK=0`` (only where absent, restored afterwards) and calls ``deepspeed.init_distributed``;
-  it destroys the process group it created at the end, after releasing the engines :func:`initialize`
-  built in it (see :func:`_release_engines`: gloo's worker threads must be gone before the interpreter
-  finalizes).
+  it destroys the process group it created at the end.
 * :func:`initialize`: DeepSpeed AdamW (betas, weight decay on ≥2-D weights only), or torch's AdamW when
   DeepSpeed's fused op cannot be built; LR: linear warmup then cosine / linear decay to
   ``min_lr_ratio·lr`` (or constant), a ``LambdaLR`` DeepSpeed steps at each optimizer step.
@@ -13,12 +11,10 @@
 """
 from __future__ import annotations
 
-import gc
 import math
 import os
 import socket
 import sys
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -58,7 +54,6 @@ def distributed():
     try:
         yield True
     finally:
-        _release_engines()
         if dist.is_initialized():
             # deepspeed.comm's destroy wraps torch.distributed.destroy_process_group and also drops
             # DeepSpeed's cached group handles, so a later run in this process starts clean.
@@ -69,49 +64,8 @@ def distributed():
             except Exception:  # noqa: BLE001
                 if dist.is_initialized():
                     dist.destroy_process_group()
-        gc.collect()  # the process groups' last references (cycles): their gloo threads are joined now
         for k in set_env:
             os.environ.pop(k, None)
-
-
-# DeepSpeed engines initialize() built, released by distributed() before it destroys the process group
-_ENGINES: weakref.WeakSet = weakref.WeakSet()
-
-
-def _release_engines() -> None:
-    """Drop what keeps the engines :func:`initialize` built (and so their process groups) alive, while
-    the interpreter is whole.
-
-    ZeRO-3 puts the engine's module on DeepSpeed's module-level ``parameter_offload.FWD_MODULE_STACK`` and
-    never takes it off; through its hooks and its parameters' ``ds_process_group`` that keeps the engine,
-    the ZeRO optimizer and both gloo process groups alive after the run, so ``destroy_process_group`` only
-    dropped torch's references and the groups' worker threads lived on into interpreter finalization. A
-    worker that finished the run's last ``barrier`` late (a loaded CPU) then freed the barrier's chain of
-    earlier works (barrier -> barrier -> ZeRO-3 all-gather) there; freeing the all-gather's output tensor
-    takes the GIL, Python >= 3.11 ends a thread that asks for the GIL during finalization with
-    ``pthread_exit``, whose forced unwind through a ``noexcept`` destructor is ``std::terminate``:
-    "terminate called without an active exception", SIGABRT in that rank (1 run in ~13 of the 2-rank
-    ZeRO-3 resume test). Released here, the groups' last references go in ``destroy_process_group`` (and
-    the ``gc.collect`` after it): ``~ProcessGroupGloo`` joins its workers while Python is alive."""
-    engines = list(_ENGINES)
-    _ENGINES.clear()
-    if not engines:
-        return
-    try:
-        from deepspeed.runtime.zero import parameter_offload
-    except ImportError:  # pragma: no cover - a DeepSpeed without it
-        parameter_offload = None
-    for engine in engines:
-        try:
-            engine.destroy()  # the ZeRO hooks (closures over the engine) and DeepSpeed's buffers
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
-        stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
-        module = getattr(engine, "module", None)
-        if isinstance(stack, list) and module is not None:
-            stack[:] = [m for m in stack if m is not module]
-    del engines, engine
-    gc.collect()
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -219,7 +173,6 @@ def initialize(objective, ds_cfg: dict, sched: LRLambda, tcfg, device, rank: int
     if problem is None:
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=objective, model_parameters=groups, config=ds_cfg, lr_scheduler=lr_sched)
-        _ENGINES.add(engine)
         return engine, optimizer, scheduler
     say(f"DeepSpeed's fused AdamW is unavailable here ({problem}); using torch.optim.AdamW", rank)
     cfg = {k: v for k, v in ds_cfg.items() if k != "optimizer"}
@@ -227,7 +180,6 @@ def initialize(objective, ds_cfg: dict, sched: LRLambda, tcfg, device, rank: int
                             fused=device.type == "cuda")
     engine, optimizer, _, scheduler = deepspeed.initialize(model=objective, optimizer=opt, config=cfg,
                                                            lr_scheduler=lr_sched)
-    _ENGINES.add(engine)
     return engine, optimizer, scheduler
 
 
