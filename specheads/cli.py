@@ -396,5 +396,17 @@ def _export(args) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``specheads`` command: :func:`main`, and a rank of a multi-process launch (torchrun, deepspeed) ends
+    without the interpreter's teardown, where DeepSpeed's leftover gloo threads can abort it
+    (``train.engine.finish_process``)."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "torch" in sys.modules:
+        from specheads.train.engine import finish_process
+
+        finish_process(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

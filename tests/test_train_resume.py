@@ -63,6 +63,8 @@ s = run_train(r, target=tgt, feed=feed, vocab=synthetic_vocab(tgt, 128), progres
 if rank == 0:
     with open(os.path.join(run_dir, "result.json"), "w") as f:
         json.dump({{"world": s["world_size"], "start": s["start_step"], "steps": s["steps"]}}, f)
+from specheads.train.engine import finish_process
+finish_process(0)   # as the CLI ends a rank: DeepSpeed's gloo threads must not meet the interpreter's teardown
 '''
 
 
