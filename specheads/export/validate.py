@@ -162,6 +162,24 @@ def _check_verifier(rep, where, spec_verifier: dict, verifier):
 
 
 # ------------------------------------------------------------------ formats
+def _check_proposal(rep, where, c: dict, algorithm: str, verifier):
+    """A speculators config's ``speculators_config``: the algorithm, the first proposal's speculative_tokens
+    (returned; None when missing) and the verifier vLLM reads."""
+    sc = c.get("speculators_config")
+    k = None
+    try:
+        k = sc["proposal_methods"][0]["speculative_tokens"]
+        sc["verifier"]["name_or_path"]
+        if sc.get("algorithm") != algorithm:
+            rep.errors.append(f"{where}: speculators_config.algorithm {sc.get('algorithm')!r} != {algorithm!r}")
+    except (KeyError, IndexError, TypeError):
+        rep.errors.append(f"{where}: speculators_config lacks proposal_methods[0].speculative_tokens or "
+                          "verifier.name_or_path (vLLM rejects it)")
+        sc, k = {"verifier": {}}, None
+    _check_verifier(rep, where, sc.get("verifier") or {}, verifier)
+    return k
+
+
 def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype):
     where = str(d / "config.json")
     smt = c.get("speculators_model_type")
@@ -190,17 +208,7 @@ def _check_speculators(rep, d: Path, c: dict, target_vocab_size, verifier, dtype
     if tl.get("model_type", "llama") not in ("llama", "qwen3"):
         rep.errors.append(f"{where}: transformer_layer_config.model_type {tl.get('model_type')!r} (vLLM maps only "
                           "llama/qwen3)")
-    sc = c.get("speculators_config")
-    try:
-        sc["proposal_methods"][0]["speculative_tokens"]
-        sc["verifier"]["name_or_path"]
-        if sc.get("algorithm") != smt:
-            rep.errors.append(f"{where}: speculators_config.algorithm {sc.get('algorithm')!r} != {smt!r}")
-    except (KeyError, IndexError, TypeError):
-        rep.errors.append(f"{where}: speculators_config lacks proposal_methods[0].speculative_tokens or "
-                          "verifier.name_or_path (vLLM rejects it)")
-        sc = {"verifier": {}}
-    _check_verifier(rep, where, sc.get("verifier") or {}, verifier)
+    _check_proposal(rep, where, c, smt, verifier)
     rep.checked.append("speculators/vLLM config fields")
     if rep.errors:
         return None
@@ -265,19 +273,9 @@ def _check_speculators_dflash(rep, d: Path, c: dict, target_vocab_size, verifier
         rep.errors.append(f"{where}: missing field 'transformer_layer_config'")
         return None
     _check_common_cfg(rep, f"{where}: transformer_layer_config", tl, target_vocab_size)
-    sc = c.get("speculators_config")
-    try:
-        k = sc["proposal_methods"][0]["speculative_tokens"]
-        sc["verifier"]["name_or_path"]
-        if sc.get("algorithm") != "dflash":
-            rep.errors.append(f"{where}: speculators_config.algorithm {sc.get('algorithm')!r} != 'dflash'")
-        if c.get("block_size") is not None and k != int(c["block_size"]) - 1:
-            rep.errors.append(f"{where}: speculative_tokens {k} != block_size - 1 = {int(c['block_size']) - 1}")
-    except (KeyError, IndexError, TypeError):
-        rep.errors.append(f"{where}: speculators_config lacks proposal_methods[0].speculative_tokens or "
-                          "verifier.name_or_path (vLLM rejects it)")
-        sc = {"verifier": {}}
-    _check_verifier(rep, where, sc.get("verifier") or {}, verifier)
+    k = _check_proposal(rep, where, c, "dflash", verifier)
+    if k is not None and c.get("block_size") is not None and k != int(c["block_size"]) - 1:
+        rep.errors.append(f"{where}: speculative_tokens {k} != block_size - 1 = {int(c['block_size']) - 1}")
     rep.checked.append("speculators/vLLM dflash config fields")
     if rep.errors:
         return None
