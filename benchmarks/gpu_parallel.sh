@@ -6,7 +6,8 @@
 #      other layers than the dump holds), each with its recipe beside smollm2_eagle3_gpu.yaml
 #   3. each exported, then evaluated on the mixed set and Vicuna beside n-gram: EAGLE-3 and P-EAGLE at k = K
 #      (P-EAGLE's depths), DFlash at block_size - 1
-#   4. RUNTIME=1: bench_runtime at batch 1 and 8 with each head (compiled engine, CUDA graphs)
+#   4. RUNTIME=1: bench_runtime at batch 1 and 8 with each head (compiled engine, CUDA graphs), and SERVE requests
+#      (default 64) of the mixed set served with continuous batching in 8 slots
 #   -> OUT/parallel.json and OUT/parallel.md (benchmarks/parallel_summary.py), refreshed after every stage
 #
 # Usage:  bash benchmarks/gpu_parallel.sh [GGUF [DATA [OUT]]]   (arguments as gpu_reference.sh's)
@@ -67,7 +68,7 @@ if [ -n "${RUNTIME:-}" ]; then
     k=$K; [ $kind = dflash ] && k=$(( BLOCK - 1 ))
     stage runtime_$kind python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs --batches 1,8 \
       --new-tokens 128 --head $P/$kind --k $k --engines compiled --drafters plain,ngram,head --repeat 3 \
-      --out $P/runtime_$kind.json
+      --serve ${SERVE:-64} --out $P/runtime_$kind.json
   done
 fi
 log done

@@ -196,6 +196,45 @@ def test_regenerate_resumes_past_a_corrupted_line_and_a_torn_one(tiny, tiny_targ
     assert sorted(got) == sorted(ref) and len({json.loads(x)["id"] for x in got}) == len(got)
 
 
+def test_a_flipped_byte_inside_a_string_is_caught_by_the_line_checksum(tiny, tiny_target_dir, tmp_path, capsys):
+    """Before: a flipped byte inside a JSON string still parsed, so the changed conversation was resumed past and
+    trained on. Now each row carries its own checksum: `prepare` refuses the file naming the line, and the next
+    `data regenerate` sets the line aside and generates that conversation again, equal to an uninterrupted run."""
+    from test_regenerate import _prompt_file, _recipe
+
+    from specheads.data.appendlog import LINE_CHECKSUM
+    from specheads.data.formats import DataError, load_records
+    from specheads.data.regenerate import run_regenerate
+
+    recipe = _recipe(tmp_path / "a", (tiny_target_dir, _prompt_file(tmp_path)))
+    run_regenerate(recipe, target=tiny)
+    out = tmp_path / "a/data/regenerated.jsonl"
+    ref = out.read_bytes()
+    rows, _, _ = load_records(out)
+    assert rows and all(LINE_CHECKSUM not in r for r in rows)  # readers never see the checksum
+
+    lines = ref.split(b"\n")
+    at = lines[3].index(b'"content": "') + len(b'"content": "')
+    lines[3] = lines[3][:at] + bytes([lines[3][at] ^ 0x01]) + lines[3][at + 1:]  # still valid JSON
+    json.loads(lines[3])
+    out.write_bytes(b"\n".join(lines))
+    with pytest.raises(DataError) as e:
+        load_records(out)
+    assert e.value.row == 4 and e.value.field == LINE_CHECKSUM and "does not match its content" in str(e.value)
+
+    # a flipped byte in the key itself leaves a row without a checksum in a file written with them: refused too
+    lines[3] = json.dumps(json.loads(ref.split(b"\n")[3])).replace(LINE_CHECKSUM, "_sha2X6").encode()
+    out.write_bytes(b"\n".join(lines))
+    with pytest.raises(DataError, match="written with one"):
+        load_records(out)
+
+    capsys.readouterr()
+    s = run_regenerate(recipe, target=tiny)
+    assert s["already_done"] == len(ref.splitlines()) - 1
+    assert "set aside 1 bad line(s) (line 4:" in capsys.readouterr().err
+    assert sorted(out.read_bytes().splitlines()) == sorted(ref.splitlines())
+
+
 def test_metrics_readers_skip_a_torn_line_and_name_a_bad_one(tmp_path, caplog):
     from specheads.train.run_log import METRICS, RunLogger, plot_metrics, read_metrics
 

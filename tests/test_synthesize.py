@@ -9,7 +9,7 @@ import torch
 from specheads.cli import main
 from specheads.config import RecipeError, load_recipe
 from specheads.rundir import RunDir
-from specheads.data.appendlog import append_rows, read_rows
+from specheads.data.appendlog import append_rows, read_rows, with_checksum
 from specheads.data.formats import load_prompts
 from specheads.data.sources import resolve_source
 from specheads.data.synthesize import (Deduper, SynthesizeError, copy_prompt, dropped_path, load_seeds, plan_item,
@@ -163,7 +163,8 @@ def test_a_full_disk_loses_nothing_already_written(tmp_path):
                                               r"written, rerun the same command to resume"):
         append_rows(FullDisk(), out, [{"id": "b", "turns": ["Hi"]}], SynthesizeError, "1 prompts")
     assert read_rows(out) == [{"id": "a", "turns": ["Hello there"]}]  # the torn line is cut off on resume
-    assert out.read_text() == '{"id": "a", "turns": ["Hello there"]}\n'
+    assert [json.loads(x) for x in out.read_text().splitlines(keepends=True)] == [
+        with_checksum({"id": "a", "turns": ["Hello there"]})]  # whole lines only, each with its checksum
 
 
 def test_a_template_without_a_user_turn_fails_before_weights_load(tiny_target_dir, tmp_path, monkeypatch, capsys):

@@ -11,6 +11,9 @@ rerun must continue it rather than start over or mix in data made otherwise:
   row without its required fields) is set aside in ``<name>.bad.jsonl`` with
   its line number, counted and named, and the good rows after it are kept;
   only a torn last line (no newline, not parseable) is ever dropped;
+- every row carries the sha256 of its own content (``_sha256``, 16 hex digits),
+  so a flipped byte inside a string, which still parses, is caught as a bad
+  line too, here and by every later reader of the file (:func:`verify_lines`);
 - a ``.meta.json`` sidecar records the settings that made the file; a rerun
   with other settings is refused, naming what differs, so a resume can never
   mix two recipes' data in one file.
@@ -23,11 +26,15 @@ from specheads.rundir import stage_input_diff
 from specheads.fileio import (disk_full_class, disk_full_guard, free_bytes, fsync_dir, is_disk_full, tmp_path_for,
                               write_json_atomic)
 
+import hashlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
+
+# The key of a row's own checksum. The underscore keeps it apart from any data field; readers drop it.
+LINE_CHECKSUM = "_sha256"
 
 
 def meta_path(out: Path) -> Path:
@@ -48,10 +55,39 @@ def check_recipe_inputs(out: Path, recipe, stage: str, error: type[Exception], o
                     f"choose another {out_key} or delete it")
 
 
+def row_digest(row: dict) -> str:
+    """The checksum of a row's content, ``LINE_CHECKSUM`` itself left out: canonical JSON (sorted keys), so it
+    does not depend on how a writer spaced or ordered the line."""
+    body = {k: v for k, v in row.items() if k != LINE_CHECKSUM}
+    text = json.dumps(body, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def with_checksum(row: dict) -> dict:
+    return {**row, LINE_CHECKSUM: row_digest(row)}
+
+
+def checksum_problem(row: dict, required: bool) -> str | None:
+    """Why ``row``'s own checksum does not hold (None when it does). ``required``: the file was written with
+    checksums (its sidecar says so), so a row without one was changed by hand or by a flipped byte in the key."""
+    got = row.get(LINE_CHECKSUM)
+    if got is None:
+        return f"no {LINE_CHECKSUM!r} (every row of this file was written with one)" if required else None
+    want = row_digest(row)
+    if got != want:
+        return (f"{LINE_CHECKSUM} {got!r} does not match its content ({want!r}): the line changed after it was "
+                f"written (a flipped byte or an edit)")
+    return None
+
+
 def check_settings(out: Path, doc: dict, error: type[Exception], out_key: str, command: str) -> None:
-    """Compare ``doc`` (target identity + settings) with the sidecar of ``out``; write it on a first run."""
+    """Compare ``doc`` (target identity + settings) with the sidecar of ``out``; write it on a first run.
+    A file begun before rows carried checksums goes on without requiring them (the rest must match)."""
+    doc = {**doc, "line_checksums": LINE_CHECKSUM}
     old = recorded_settings(out)
     if old is not None:
+        if "line_checksums" not in old:
+            doc.pop("line_checksums")
         if old != doc:
             diff = [k for k in sorted(set(doc) | set(old)) if old.get(k) != doc.get(k)]
             raise error(f"{out} already holds data generated with other settings (differing: {', '.join(diff)}); "
@@ -65,12 +101,30 @@ def check_settings(out: Path, doc: dict, error: type[Exception], out_key: str, c
             write_json_atomic(meta_path(out), doc)
 
 
+def verify_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, why) for every line of ``path`` whose own checksum does not hold: what a reader that
+    loads the file some other way (``datasets``, which rewrites rows) runs first. Lines that do not parse are
+    left to that reader's own errors."""
+    required = bool((recorded_settings(path) or {}).get("line_checksums"))
+    found = []
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                row = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue
+            why = checksum_problem(row, required) if isinstance(row, dict) else None
+            if why:
+                found.append((n, why))
+    return found
+
+
 def bad_path(out: Path) -> Path:
     """Where :func:`read_rows` sets aside the bad lines of ``out`` (appended, one JSON record per line)."""
     return out.with_name(out.name + ".bad.jsonl")
 
 
-def _parse(line: bytes, required: tuple[str, ...]) -> tuple[dict | None, str | None]:
+def _parse(line: bytes, required: tuple[str, ...], checksummed: bool = False) -> tuple[dict | None, str | None]:
     """(row, None) for a good line, else (None, why it is bad)."""
     try:
         row = json.loads(line)
@@ -81,7 +135,8 @@ def _parse(line: bytes, required: tuple[str, ...]) -> tuple[dict | None, str | N
     missing = [k for k in required if k not in row]
     if missing:
         return None, f"no {', '.join(repr(k) for k in missing)}"
-    return row, None
+    why = checksum_problem(row, checksummed)
+    return (None, why) if why else (row, None)
 
 
 def _lines_named(numbers: list[int], most: int = 10) -> str:
@@ -92,7 +147,8 @@ def _lines_named(numbers: list[int], most: int = 10) -> str:
 def read_rows(out: Path, required: tuple[str, ...] = ("id",), error: type[Exception] = SpecheadsError) -> list[dict]:
     """The good rows already written to ``out``, in order, with ``out`` made to hold them alone.
 
-    A good row is a JSON object with every ``required`` key. A bad line anywhere but at the end (or a complete
+    A good row is a JSON object with every ``required`` key whose own checksum holds (one is required where
+    the sidecar says the file was written with them); rows are returned without it. A bad line anywhere but at the end (or a complete
     last line that is bad) is appended to :func:`bad_path` with its line number and why, then removed from
     ``out``; the good rows on both sides of it are kept. A torn last line (no trailing newline and not JSON:
     a write cut short by a kill or a full disk) is cut off. Either is printed (stderr) naming the file, the line
@@ -107,13 +163,15 @@ def read_rows(out: Path, required: tuple[str, ...] = ("id",), error: type[Except
     torn: tuple[int, int] | None = None  # (line number, bytes)
     unterminated_good = False  # a good last line without its newline
     n = 0
+    checksummed = bool((recorded_settings(out) or {}).get("line_checksums"))
     with open(out, "rb") as f:
         pos = 0
         for n, line in enumerate(f, start=1):
             pos += len(line)
             ends = line.endswith(b"\n")
-            row, why = _parse(line, required)
+            row, why = _parse(line, required, checksummed)
             if row is not None:
+                row.pop(LINE_CHECKSUM, None)
                 rows.append(row)
                 good_end = pos
                 unterminated_good = not ends
@@ -185,7 +243,7 @@ def append_rows(f, out: Path, rows: list[dict], error: type[Exception], safe: st
     ``safe`` says what is already on disk, for the disk-full message (e.g. "12 conversations of this run").
     """
     try:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        f.write("".join(json.dumps(with_checksum(r), ensure_ascii=False) + "\n" for r in rows))
         f.flush()
         os.fsync(f.fileno())
     except OSError as e:

@@ -60,6 +60,8 @@ from typing import Any, Iterator
 
 from specheads.errors import MissingInputError, SpecheadsError
 
+from .appendlog import LINE_CHECKSUM, recorded_settings, verify_lines
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -217,7 +219,25 @@ def _jsonl_line_numbers(path: Path) -> list[int]:
 
 def load_records(path: str | Path) -> tuple[list[dict], list[int], str]:
     """Raw records of a data file, with the 1-based row number of each (line for
-    JSONL, index for JSON lists and Parquet) and what that number counts."""
+    JSONL, index for JSON lists and Parquet) and what that number counts. Rows that
+    carry their own checksum (the generating stages' logs) are verified line by line
+    and returned without it."""
+    rows, numbers, kind = _load_records(path)
+    path = resolve_data_path(path)
+    if kind == "line" and (any(LINE_CHECKSUM in r for r in rows) or
+                           (recorded_settings(path) or {}).get("line_checksums")):
+        bad = verify_lines(path)
+        if bad:
+            (n, why), more = bad[0], len(bad) - 1
+            raise DataError(path, n, LINE_CHECKSUM, why + (f" ({more} more line(s) like it)" if more else "") +
+                            "; rerun the stage that wrote it (`specheads data regenerate` / `synthesize`): it sets "
+                            "bad lines aside and generates those rows again", row_kind="line")
+        for r in rows:
+            r.pop(LINE_CHECKSUM, None)
+    return rows, numbers, kind
+
+
+def _load_records(path: str | Path) -> tuple[list[dict], list[int], str]:
     path = resolve_data_path(path)
     if not path.exists():
         raise MissingInputError(f"data file not found: {path}")
