@@ -8,7 +8,9 @@ at several batch sizes, on the real SmolLM2 weights (the bundled GGUF) by defaul
 
 Drafters: ``plain`` (no drafting), ``ngram`` (the device proposer on CUDA, the host reference
 on a CPU), ``head`` (``--head DIR``: an exported head, any format) and ``hybrid`` (head +
-n-gram, ``--min-match``). Greedy, a fixed number of new tokens (no early stop), the same
+n-gram, ``--min-match``); on request also ``hybrid_fixed`` (without the per-row score), ``suffix``
+(suffix decoding, vLLM's defaults: trees on the host, cached responses cleared before each timed run)
+and ``hybrid_suffix`` (head + suffix decoding). Greedy, a fixed number of new tokens (no early stop), the same
 prompts for every drafter; each run is done once untimed (captures the CUDA graphs of every
 shape it meets) and then timed. Per batch and drafter: τ (tokens per target forward, docs/conventions.md),
 tokens/s, speedup (tokens/s ÷ plain tokens/s at the same batch) and speedup ÷ τ (1.0 = drafting
@@ -27,7 +29,8 @@ Triton caches are shared, so only the first process compiles from scratch.
 ``--serve N``: serving as well, at every --batches size above 1: the first N prompts of
 ``--serve-prompts`` (default the mixed eval set, 152 prompts in 7 categories) as a stream of
 requests through B slots with continuous batching (``generate_continuous``: a finished request's
-slot takes the next one at once, as in a server; stops at EOS), plain and with each drafter. A
+slot takes the next one at once, as in a server; stops at EOS), plain and with each drafter (suffix
+decoding and its hybrid run their steps eagerly there: their trees live on the host). A
 static batch runs until its slowest row is done, so a drafter's τ there overstates what the batch
 gains; served, every row's forwards are its own. Per row: τ (decode tokens per row-step), tok/s
 (prefills included), speedup over plain serving, speedup ÷ τ and τ per category.
@@ -54,7 +57,7 @@ import torch
 
 from specheads.data.formats import load_prompts
 from specheads.data.sources import resolve_source
-from specheads.runtime.drafters import NGramDrafter, drafter_for_head, make_drafter
+from specheads.runtime.drafters import NGramDrafter, drafter_for_head, forget_responses, make_drafter
 from specheads.runtime.engines.continuous import Request, generate_continuous
 from specheads.runtime.engines.static import Generation, generate
 from specheads.runtime.model import TargetModel
@@ -78,7 +81,9 @@ QUESTIONS = [
     "Convert 72 degrees Fahrenheit to Celsius and show the steps.",
     "Write a bash one-liner that counts the lines of every .py file in a directory.",
 ]
-DRAFTERS = ("plain", "ngram", "head", "hybrid", "hybrid_fixed")   # hybrid_fixed: without the per-row score
+# hybrid_fixed: without the per-row score; hybrid_suffix: the head with suffix decoding instead of n-gram
+DRAFTERS = ("plain", "ngram", "head", "hybrid", "hybrid_fixed", "suffix", "hybrid_suffix")
+HEADED = ("head", "hybrid", "hybrid_fixed", "hybrid_suffix")          # the rows that need --head
 # engine name -> torch.compile options for the target's layers and the head's step (None: eager). At batch 1
 # a compiled decode step is ~50% cuBLAS GEMMs of ~3.8 us each for ~1.7 MB of weights (launch-latency bound,
 # H200 2026-12-01): max-autotune lets Inductor time its own Triton GEMMs against them for these shapes
@@ -123,6 +128,7 @@ def bench_engine(m, prompts, new, repeat=1, warm_up=True, **kw):
         generate(m, prompts, new, stop_token_ids=(), **kw)
     best = None
     for _ in range(repeat):
+        forget_responses(kw.get("drafter"))     # suffix decoding: no timed run drafts from an earlier run's answers
         r = generate(m, prompts, new, stop_token_ids=(), **kw)
         if best is None or r.elapsed_s < best.elapsed_s:
             best = r
@@ -144,6 +150,7 @@ def step_times(m, prompts, new, **kw):
     two with the run's fixed costs; on the H200 (2026-12-02) a drafted cycle came out ~0.14 ms longer in
     the timed runs than in the profile's early steps while a plain step did not, and this tells whether
     the kernels grow with the context or the device waits for the host."""
+    forget_responses(kw.get("drafter"))
     gen = Generation(m, prompts, new, stop_token_ids=(), **kw)
     gen.prefill()
     marks = []
@@ -195,6 +202,7 @@ def bench_serving(m, stream, B, new, repeat=1, **kw):
     serve_stream(m, stream, B, new, **kw)
     best = None
     for _ in range(repeat):
+        forget_responses(kw.get("drafter"))     # suffix decoding: no timed run drafts from an earlier run's answers
         run = serve_stream(m, stream, B, new, **kw)
         if best is None or run[0]["seconds"] < best[0]["seconds"]:
             best = run
@@ -396,7 +404,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--head", default=None, help="exported head directory (enables the head and hybrid rows)")
     ap.add_argument("--min-match", type=int, default=3, help="hybrid: shortest n-gram match that wins over the head")
     ap.add_argument("--drafters", default=",".join(DRAFTERS[:4]),
-                    help=f"comma list of {DRAFTERS} (head/hybrid need --head)")
+                    help=f"comma list of {DRAFTERS} (head/hybrid* need --head)")
     ap.add_argument("--engines", default="eager",
                     help="comma list of " + ",".join(ENGINES) + ": compiled = torch.compile'd engine layers, "
                          "forward inputs, step bookkeeping and drafter units (TargetModel.compile_layers, "
@@ -475,9 +483,9 @@ def load_inputs(a, dtype: str):
 
 
 def make_drafters(a, eng: str, head, units: bool) -> list:
-    """(name, factory) per wanted drafter of one engine: a fresh drafter per batch; factory(serve=True): its
-    n-gram side on the device on a CPU too (continuous batching needs row state on the device; the host
-    reference keeps none)."""
+    """(name, factory) per wanted drafter of one engine: a fresh drafter per batch (so suffix decoding starts
+    with no cached responses); factory(serve=True): its n-gram side on the device on a CPU too (continuous
+    batching needs row state per request; the host n-gram reference keeps none)."""
     kw_eng = ENGINES[eng]
     drafters = []
     for name in a.wanted:
@@ -486,17 +494,20 @@ def make_drafters(a, eng: str, head, units: bool) -> list:
                 d = NGramDrafter(backend="device" if serve else "auto")
                 return d if kw is None or not units else d.compile(**kw)
             drafters.append(("ngram", ngram))
-        elif name in ("head", "hybrid", "hybrid_fixed") and head is not None:
+        elif name == "suffix":
+            drafters.append(("suffix", lambda serve=False: make_drafter("suffix")))
+        elif name in HEADED and head is not None:
             if name == "head":
                 drafters.append((f"head ({head.cfg.kind})", lambda serve=False, h=head: h))
             else:
                 # compiled: the n-gram side and the choice too (the head's units already are)
-                def hybrid(serve=False, h=head, kw=kw_eng, ad=name == "hybrid", units=units):
-                    d = make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad,
+                def hybrid(serve=False, h=head, kw=kw_eng, ad=name != "hybrid_fixed", units=units,
+                           free="suffix" if name == "hybrid_suffix" else "ngram"):
+                    d = make_drafter("hybrid", h, min_match=a.min_match, adaptive=ad, free=free,
                                      ngram_backend="device" if serve else "auto")
                     return d if kw is None else d.compile(units=units, **kw)
-                drafters.append((f"hybrid{'' if name == 'hybrid' else ' fixed'} (min_match {a.min_match})",
-                                 hybrid))
+                label = {"hybrid": "hybrid", "hybrid_fixed": "hybrid fixed", "hybrid_suffix": "hybrid suffix"}[name]
+                drafters.append((f"{label} (min_match {a.min_match})", hybrid))
     return drafters
 
 
@@ -505,7 +516,7 @@ def build_engines(a, tgt, max_seq: int) -> dict:
     engines = {}
     for eng in a.engine_names:
         m = TargetModel.from_hf(tgt.model, max_batch=max(a.batch_sizes), max_seq=max_seq)
-        needs_head = any(w in ("head", "hybrid", "hybrid_fixed") for w in a.wanted)
+        needs_head = any(w in HEADED for w in a.wanted)
         head = (load_head(a.head, tgt, m) if a.head else random_head(tgt, m) if a.random_head else None) \
             if needs_head else None
         units = DRAFTER_UNITS.get(eng, True)
@@ -569,8 +580,8 @@ def bench_serve(a, engines, stream, graphs, res, save) -> None:
             base = bench_serving(m, stream, B, a.new_tokens, a.repeat, **kw)
             rows = [("plain", base)]
             for name, make in drafters:
-                rows.append((name, bench_serving(m, stream, B, a.new_tokens, a.repeat, drafter=make(serve=True),
-                                                 k=a.k, **kw)))
+                d = make(serve=True)
+                rows.append((name, bench_serving(m, stream, B, a.new_tokens, a.repeat, drafter=d, k=a.k, **kw)))
             for name, r in rows:
                 sp = r["tokens_per_s"] / base["tokens_per_s"]
                 res["serving"].append({"engine": eng, "batch": B, "harvest": harvest, "drafter": name, "speedup": sp,

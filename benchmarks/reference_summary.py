@@ -55,6 +55,10 @@ def _kind(run: dict) -> str:
     name = str(run.get("name", ""))
     if name.startswith("hybrid_fixed") or "fixed rule" in d:
         return "hybrid_fixed"
+    if name.startswith("hybrid_suffix"):
+        return "hybrid_suffix"
+    if name.startswith("suffix") or d == "suffix":
+        return "suffix"
     if name.startswith("hybrid") or "hybrid" in d:
         return "hybrid"
     if name.startswith("ngram") or d == "ngram":

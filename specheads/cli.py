@@ -110,9 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="= eval.temperature")
     p.add_argument("--rule", action="append", choices=["greedy", "rejection", "onehot", "tree_target_only"],
                    help="verification rule (repeat to compare rules; = eval.rule)")
-    p.add_argument("--compare", action="append", choices=["ngram", "hybrid", "hybrid_fixed"],
+    p.add_argument("--compare", action="append", choices=["ngram", "hybrid", "hybrid_fixed", "suffix", "hybrid_suffix"],
                    help="drafters to put beside the heads: ngram, hybrid (each head + n-gram where its match is "
-                   "long, scored per row), hybrid_fixed (the same without the per-row score) (= eval.compare)")
+                   "long, scored per row), hybrid_fixed (the same without the per-row score), suffix (suffix "
+                   "decoding, vLLM's method 'suffix'), hybrid_suffix (each head + suffix decoding, scored per row) "
+                   "(= eval.compare)")
     p.add_argument("--engine", choices=["specheads", "vllm"],
                    help="vllm: also run the same prompts in vLLM and put both side by side (= eval.engine)")
     p.add_argument("--thresholds", help="tree_target_only: also run relaxed thresholds single,acc (e.g. 0.05,0.5); "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -35,12 +36,103 @@ class _Section(BaseModel):
 # before anything loads, as a RecipeError naming the key and the bound ("Input should be greater than 0").
 
 
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _sha256(v: str, key: str) -> str:
+    if not isinstance(v, str) or not _SHA256.fullmatch(v):
+        raise ValueError(f"{key} must be 64 hex digits (a sha256), got {v!r}")
+    return v.lower()
+
+
+def _template(template: str, key: str, count: int) -> None:
+    """A name with {n} in it (the part's number, from 1; {n:02d} pads it) that differs from part to part."""
+    try:
+        first, second = template.format(n=1), template.format(n=2)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"{key} {template!r}: not a template of the part number {{n}} ({e})") from None
+    if count > 1 and first == second:
+        raise ValueError(f"{key} {template!r} names every part alike: put the part number {{n}} in it")
+
+
+class GGUFPartsFiles(_Section):
+    # the parts, N = 1..count, joined in that order; {n} is N ({n:02d} zero-pads it)
+    count: int = Field(ge=1, le=10000)
+    file: str  # the part's path inside its package (or in `folder`), e.g. pkg_part{n}/data/part{n:02d}.bin
+    package: str | None = None  # pip package holding part N, e.g. pkg-part{n}; null: the parts come from `folder` only
+    version: str | None = None  # the release the checksums are of (pinned: another release is other bytes)
+    # one per part, in order: names the exact part that is missing, out of order or damaged, before the joined
+    # file's checksum could only say that one of them is
+    sha256: list[str] | None = None
+
+    @field_validator("sha256")
+    @classmethod
+    def _part_shas(cls, v):
+        return None if v is None else [_sha256(h, f"target.gguf_parts.parts.sha256[{i}]") for i, h in enumerate(v)]
+
+    @model_validator(mode="after")
+    def _check(self):
+        _template(self.file, "target.gguf_parts.parts.file", self.count)
+        if Path(self.file.format(n=1)).is_absolute() or ".." in Path(self.file.format(n=1)).parts:
+            raise ValueError(f"target.gguf_parts.parts.file {self.file!r}: a relative path inside the package")
+        if (self.package is None) != (self.version is None):
+            raise ValueError("target.gguf_parts.parts.package and .version go together (pip fetches package==version)")
+        if self.package is not None:
+            _template(self.package, "target.gguf_parts.parts.package", self.count)
+            if not _NAME.fullmatch(self.package.format(n=1)):
+                raise ValueError(f"target.gguf_parts.parts.package {self.package!r}: not a package name")
+            if not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z.+!_-]*", self.version):
+                raise ValueError(f"target.gguf_parts.parts.version {self.version!r}: not a version (e.g. 0.2.0)")
+        if self.sha256 is not None and len(self.sha256) != self.count:
+            raise ValueError(f"target.gguf_parts.parts.sha256 lists {len(self.sha256)} checksums for "
+                             f"{self.count} parts (parts.count)")
+        return self
+
+
+class GGUFPartsConfig(_Section):
+    # a GGUF split into parts: fetched with pip (parts.package) or taken from `folder`, joined once, verified
+    # against sha256 and kept; target.source is the name the joined file goes by (specheads.gguf_parts)
+    sha256: str  # of the joined file
+    bytes: int | None = Field(None, ge=1)  # of the joined file: a short or long set of parts is named before hashing
+    parts: GGUFPartsFiles
+    folder: str | None = None  # the parts' .bin files (or their wheels, or an install of the packages); null: pip
+
+    @field_validator("sha256")
+    @classmethod
+    def _whole_sha(cls, v):
+        return _sha256(v, "target.gguf_parts.sha256")
+
+    @model_validator(mode="after")
+    def _somewhere(self):
+        if self.folder is None and self.parts.package is None:
+            raise ValueError("target.gguf_parts needs parts.package and parts.version (to fetch the parts with pip) "
+                             "or folder (where the parts are)")
+        return self
+
+
 class TargetConfig(_Section):
     source: str = "smollm2-135m"  # HF hub id, local dir, .gguf file, or 'smollm2-135m' (bundled)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     adapter: str | None = None  # PEFT LoRA directory merged into the target
     chat_template: str | None = None  # Jinja string or file; required when the tokenizer has none
+    gguf_parts: GGUFPartsConfig | None = None  # a GGUF in parts; then source is the joined file's name
+    # the model a server loads as the target (an HF id or path): exports name it as their verifier. null: source
+    # (the bundled SmolLM2: its HF id); a GGUF's name is no model vLLM or SGLang can load, so name what it quantises
+    verifier: str | None = None
+
+    @model_validator(mode="after")
+    def _parts_name(self):
+        if self.gguf_parts is None:
+            return self
+        # the name is a file name in the GGUF cache and what string-only callers (target_facts, --target) pass;
+        # a '.gguf' suffix would make them look for a file of that name in the working directory
+        if (self.source == type(self).model_fields["source"].default or not _NAME.fullmatch(self.source)
+                or self.source.endswith(".gguf")):
+            raise ValueError(f"target.source {self.source!r}: with target.gguf_parts it names the joined GGUF: "
+                             f"a plain name without '.gguf' (e.g. qwen2.5-coder-1.5b-instruct-q4_k_m)")
+        return self
 
 
 class DataSource(_Section):
@@ -295,8 +387,10 @@ class EvalConfig(_Section):
     batch_size: int = Field(1, ge=1)
     # ngram: the weightless drafter; hybrid: each head with n-gram drafts where the match is long
     # hybrid_fixed: the same hybrid without its per-row score (the n-gram whenever its match is long)
-    compare: list[Literal["ngram", "hybrid", "hybrid_fixed"]] = Field(default_factory=lambda: ["ngram"])
-    hybrid_min_match: int = Field(3, ge=1)  # shortest n-gram match that wins over the head
+    # suffix: suffix decoding (vLLM's method "suffix"); hybrid_suffix: each head with suffix drafts instead
+    compare: list[Literal["ngram", "hybrid", "hybrid_fixed", "suffix", "hybrid_suffix"]] = Field(
+        default_factory=lambda: ["ngram"])
+    hybrid_min_match: int = Field(3, ge=1)  # shortest n-gram (or suffix) match that wins over the head
     chi_square_draws: int = Field(0, ge=0)  # 0: no χ² check
     engine: Literal["specheads", "vllm"] = "specheads"  # vllm: the same prompts in real vLLM, side by side
     compile: bool = False  # torch.compile the engine's layers and the head's step (faster decode; compiles first)

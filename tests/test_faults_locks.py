@@ -163,6 +163,24 @@ def test_released_on_exception(tmp_path):
         pass
 
 
+def test_two_names_of_one_output_share_its_lock(tmp_path):
+    """Before: a linked output (runs/b/train -> runs/a/train) and a linked run directory each had a lock of
+    their own, so two writers of one directory both went ahead."""
+    real = tmp_path / "a" / "train"
+    real.mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "train").symlink_to(real)          # the output itself is a link
+    (tmp_path / "c").symlink_to(tmp_path / "a")          # a directory above it is
+    with output_lock(real, "train"):
+        for alias in (tmp_path / "b" / "train", tmp_path / "c" / "train"):
+            assert lock_path(alias) == lock_path(real)
+            with pytest.raises(RunLockedError, match=f"pid {os.getpid()}"):
+                with output_lock(alias, "train"):
+                    pass
+    with output_lock(tmp_path / "b" / "train", "train"):  # released: the other name takes it
+        assert read_lock(real)["pid"] == os.getpid()
+
+
 def test_stale_lock_of_dead_pid_taken_over(run, capsys):
     run_dir, _ = run
     recipe = recipe_of(run_dir)

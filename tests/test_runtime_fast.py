@@ -364,7 +364,7 @@ def test_hybrid_sampled_rejection_is_reproducible(llama):
 
 def test_make_drafter():
     head = _head("eagle3", 48)
-    assert DRAFTER_KINDS == ("ngram", "head", "hybrid")
+    assert DRAFTER_KINDS == ("ngram", "head", "hybrid", "suffix")
     ng = make_drafter("ngram", min_ngram=2, max_ngram=3, occurrence="earliest", ngram_backend="host")
     assert isinstance(ng, NGramDrafter) and (ng.min_ngram, ng.max_ngram, ng.occurrence) == (2, 3, "earliest")
     assert isinstance(make_drafter("head", head), Eagle3Drafter)

@@ -55,13 +55,13 @@ def check_vocab(recipe) -> None:
 
 @stage_lock("prepare")
 def run_prepare(recipe) -> dict:
-    from specheads.target import load_tokenizer_for, target_facts
+    from specheads.target import load_tokenizer_for, target_facts_for
 
     sources = _sources(recipe)  # a missing file fails here, before anything loads
     for src in sources:
         resolve_source(src["path"] if isinstance(src, dict) else src.path)
     # the tokenizer and the config are all this stage needs: no weights
-    facts = target_facts(recipe.target.source)
+    facts = target_facts_for(recipe)
     rows = RunDir(recipe).rows
     identity = {"name": recipe.target.source, "model_type": facts["model_type"],
                 "num_layers": facts["num_hidden_layers"], "hidden_size": facts["hidden_size"],

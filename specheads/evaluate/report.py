@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from specheads.fileio import disk_full_guard, publish_dir
@@ -225,9 +226,22 @@ def _staging(out: Path) -> Path:
 
 def _recover(out: Path) -> None:
     """What a killed write_report left beside ``out``: entries it had carried over into its temporary sibling go
-    back into ``out``; the rest of the sibling is removed."""
+    back into ``out``; the rest of the sibling is removed. Where the filesystem cannot swap directories in one
+    step, a kill between :func:`publish_dir`'s two renames leaves no ``out``, the previous report aside
+    (``.NAME.old-PID``) and the new one complete in its sibling: the new one is put in place (it holds the
+    carried-over entries too), else the previous one comes back."""
     if not out.parent.is_dir():
         return
+    olds = sorted(out.parent.glob(f".{out.name}.old-*"))
+    if olds and not out.exists():
+        done = [t for t in sorted(out.parent.glob(f".{out.name}.tmp-*"))
+                if (t / "report.json").is_file() and (t / "report.md").is_file()]
+        back = done[-1] if done else olds[-1]
+        os.rename(back, out)
+        print(f"eval: a report write was cut short while publishing {out}: "
+              f"{'the new report' if done else 'the previous report'} is in place again", file=sys.stderr)
+    for old in out.parent.glob(f".{out.name}.old-*"):
+        shutil.rmtree(old, ignore_errors=True)
     for tmp in sorted(out.parent.glob(f".{out.name}.tmp-*")):
         if out.is_dir():
             for p in tmp.iterdir():

@@ -2,7 +2,7 @@
 
 For every prompt (multi-turn prompts turn by turn) the target generates once
 without drafting (the baseline: tokens/s and the reference outputs) and once
-per run (head × k × rule, plus n-gram when compared). The report gives τ,
+per run (head × k × rule, plus n-gram or suffix decoding when compared). The report gives τ,
 vLLM's τ, acceptance rate, α_i, τ per category, tokens/s and speedup, and the
 lossless checks: greedy outputs must equal the baseline token for token;
 sampled outputs must keep the target's per-position token distribution
@@ -26,7 +26,7 @@ from specheads.evaluate.lossless import chi_square_check, greedy_lossless
 from specheads.evaluate.report import write_report
 from specheads.formats.convert import load_head_for
 from specheads.runtime.chat import chat_generate
-from specheads.runtime.drafters import make_drafter
+from specheads.runtime.drafters import forget_responses, make_drafter
 from specheads.runtime.engines.static import parallel_drafter
 from specheads.runtime.metrics import summarize
 from specheads.runtime.model import TargetModel
@@ -39,10 +39,13 @@ class EvalError(SpecheadsError, ValueError):
     pass
 
 
+WEIGHTLESS = ("ngram", "suffix")   # drafters of eval.compare that need no head; their drafts are chains
+
+
 @dataclass
 class RunSpec:
     name: str
-    drafter: str                  # "ngram" | head directory
+    drafter: str                  # "ngram" | "suffix" | head directory
     k: int = 3
     tree: str | None = None       # "depth,topk,tokens"
     rule: str = "greedy"
@@ -50,6 +53,7 @@ class RunSpec:
     expect: str = "pass"          # "fail" for deliberately lossy settings (relaxed thresholds)
     hybrid: bool = False          # the head with n-gram drafts where the n-gram match is long enough
     adaptive: bool = True         # hybrid: the n-gram only while it has done at least as well as the head
+    free: str = "ngram"           # hybrid: what the head is paired with, "ngram" or "suffix"
 
     def tree_config(self) -> TreeConfig | None:
         return parse_tree(self.tree) if self.tree else None
@@ -92,31 +96,36 @@ def plan_runs(recipe) -> list[RunSpec]:
                 runs.append(RunSpec(f"{label} tree {tree} {rule}", h, k=ks[0], tree=tree, rule=rule))
                 continue
             runs += [RunSpec(f"{label} k={k} {rule}", h, k=k, rule=rule) for k in ks]
-    chain_rules = [r for r in rules if r != "tree_target_only"]  # n-gram and hybrid drafts are chains
-    if "ngram" in e.compare:
-        # n-gram drafts are one-hot: rejection with draft probabilities reduces to the one-hot rule
-        for rule in dict.fromkeys("onehot" if r == "rejection" else r for r in chain_rules):
-            runs += [RunSpec(f"ngram k={k} {rule}", "ngram", k=k, rule=rule) for k in ks]
+    chain_rules = [r for r in rules if r != "tree_target_only"]  # n-gram, suffix and hybrid drafts are chains
+    if "suffix" in e.compare and e.engine == "vllm":
+        raise EvalError("eval.compare=suffix with eval.engine=vllm: the side-by-side runs in vLLM do not map "
+                        "suffix decoding yet; compare it with engine=specheads")
+    for kind in WEIGHTLESS:
+        if kind in e.compare:
+            # one-hot drafts: rejection with draft probabilities reduces to the one-hot rule
+            for rule in dict.fromkeys("onehot" if r == "rejection" else r for r in chain_rules):
+                runs += [RunSpec(f"{kind} k={k} {rule}", kind, k=k, rule=rule) for k in ks]
     # hybrid_fixed: the match-length rule alone (no per-row score), side by side with the adaptive one
-    for kind, adaptive in (("hybrid", True), ("hybrid_fixed", False)):
+    for kind, adaptive, free in (("hybrid", True, "ngram"), ("hybrid_fixed", False, "ngram"),
+                                 ("hybrid_suffix", True, "suffix")):
         if kind not in e.compare:
             continue
         if not heads:
-            raise EvalError(f"eval.compare={kind} needs a head (eval.head / --head): it mixes a head with n-gram")
+            raise EvalError(f"eval.compare={kind} needs a head (eval.head / --head): it mixes a head with {free}")
         for h in heads:
             label = Path(h).name if len(heads) > 1 else "head"
             for rule in chain_rules:
-                runs += [RunSpec(f"{kind} {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True, adaptive=adaptive)
-                         for k in ks]
+                runs += [RunSpec(f"{kind} {label} k={k} {rule}", h, k=k, rule=rule, hybrid=True, adaptive=adaptive,
+                                 free=free) for k in ks]
     if e.thresholds:
         a, b = (float(x) for x in e.thresholds.split(","))
         for r in list(runs):
-            if r.rule == "tree_target_only" and r.drafter != "ngram":
+            if r.rule == "tree_target_only" and r.drafter not in WEIGHTLESS:
                 runs.append(RunSpec(f"{r.name} relaxed({a},{b})", r.drafter, k=r.k, tree=r.tree, rule=r.rule,
                                     thresholds=(a, b), expect="fail"))
     if not runs:
         raise EvalError("eval: nothing to compare — give a head (eval.head / --head) or a weightless drafter "
-                        "(eval.compare / --compare ngram)")
+                        "(eval.compare / --compare ngram or suffix)")
     return runs
 
 
@@ -135,16 +144,29 @@ def load_eval_prompts(recipe) -> tuple[list[dict], str]:
 
 
 def build_drafter(spec: RunSpec, target, dtype, device, min_match: int = 3, compile: bool = False):
-    """The runtime drafter of a run: n-gram, or a head directory made whole for (and checked against)
-    the target, alone or in a hybrid with n-gram (its head step torch.compile'd with ``compile``)."""
+    """The runtime drafter of a run: n-gram, suffix decoding, or a head directory made whole for (and
+    checked against) the target, alone or in a hybrid with n-gram or suffix decoding (its head step
+    torch.compile'd with ``compile``)."""
+    if spec.drafter == "suffix":
+        return make_drafter("suffix")          # host trees: nothing to compile
     if spec.drafter == "ngram":
         d = make_drafter("ngram")
         return d.compile() if compile else d
     head, _meta = load_head_for(spec.drafter, target)
     d = make_drafter("hybrid" if spec.hybrid else "head", head.to(device=device, dtype=dtype).eval(),
                      name=spec.drafter, target_vocab_size=target.vocab_size, min_match=min_match,
-                     adaptive=spec.adaptive)
+                     adaptive=spec.adaptive, free=spec.free)
     return d.compile() if compile else d
+
+
+def drafter_label(spec: RunSpec) -> str:
+    """The report's name of a run's drafter."""
+    if spec.drafter in WEIGHTLESS:
+        return {"ngram": "n-gram", "suffix": "suffix decoding"}[spec.drafter]
+    if not spec.hybrid:
+        return spec.drafter
+    free = "n-gram" if spec.free == "ngram" else "suffix decoding"
+    return f"hybrid{'' if spec.adaptive else ' (fixed rule)'}: {spec.drafter} + {free}"
 
 
 def _default_parallel_k(spec: RunSpec, drafter, e) -> None:
@@ -226,20 +248,20 @@ def run_eval(recipe, target=None) -> dict:
 
     runs, drafters = [], {}
     for spec in specs:
-        key = (spec.drafter, spec.hybrid, spec.adaptive)
+        key = (spec.drafter, spec.hybrid, spec.adaptive, spec.free)
         if key not in drafters:
             drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match, e.compile)
         drafter = drafters[key]
         _default_parallel_k(spec, drafter, e)
         chat_generate(engine, tok, prompts[:e.batch_size], drafter=drafter, k=spec.k, tree=spec.tree_config(),
                       rule=spec.rule, thresholds=spec.thresholds, **warm)
+        forget_responses(drafter)           # suffix decoding: not the warm-up's (or an earlier run's) answers
         with _Progress(n_tokens, spec.name) as cb:
             res, secs = chat_generate(engine, tok, prompts, drafter=drafter, k=spec.k, tree=spec.tree_config(),
                                       rule=spec.rule, thresholds=spec.thresholds, progress=cb, **common)
         records = [rec for r in res for rec in r.records]
         m = summarize(records, secs, sum(len(a) for r in res for a in r.answer_tokens))
-        name = "n-gram" if spec.drafter == "ngram" else (f"hybrid{'' if spec.adaptive else ' (fixed rule)'}: {spec.drafter} + n-gram" if spec.hybrid else spec.drafter)
-        run = {"name": spec.name, "engine": "specheads", "drafter": name,
+        run = {"name": spec.name, "engine": "specheads", "drafter": drafter_label(spec),
                "k": spec.k, "tree": spec.tree, "rule": spec.rule, "thresholds": list(spec.thresholds),
                "temperature": e.temperature, "metrics": m, "per_category": _per_category(res),
                "tokens_per_s": m.get("tokens_per_s"),
@@ -285,7 +307,7 @@ def _update_model_cards(specs: list[RunSpec], report_json: str) -> None:
     in their model card (README.md, rewritten in the head directory)."""
     from specheads.formats.card import write_card
 
-    for d in dict.fromkeys(r.drafter for r in specs if r.drafter != "ngram"):
+    for d in dict.fromkeys(r.drafter for r in specs if r.drafter not in WEIGHTLESS):
         if (Path(d) / "specheads.json").is_file():
             try:
                 with output_lock(d, "eval"):  # the head directory is the export's output: no export may run

@@ -108,6 +108,7 @@ def build_meta(head, trained: dict, k: int, recipe_dict: dict | None = None):
     ident = dict(trained.get("target") or {})
     verifier, archs = verifier_of(ident, head.cfg)
     recipe_d = recipe_dict if recipe_dict is not None else (trained.get("recipe") or {})
+    verifier = (recipe_d.get("target") or {}).get("verifier") or verifier
     data = None
     if recipe_d:
         srcs = [s.get("path") for s in (recipe_d.get("data") or {}).get("sources", []) if isinstance(s, dict)]
@@ -471,6 +472,11 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
     if not src.is_dir():
         raise ExportError(f"--from {src}: not a directory")
     src_fmt = detect_format(src)
+    # a source sealed by our export must still hold what it recorded, before its weights are read: a flipped
+    # byte in a tensor would otherwise be converted and published under new, matching checksums
+    errors, _warnings, _sealed = checksum_report(src)
+    if errors:
+        raise ExportError(f"--from {src}: " + "; ".join(errors))
     head, meta, _ = load_any(src)
     _check_format(fmt, head.cfg.kind)
     if src.resolve() == out.resolve():
@@ -496,10 +502,10 @@ def run_convert(src, fmt, out, dtype="bfloat16", k=None, echo: bool = True) -> P
 
     side = read_side(src) or {}
     recorded = side.get("checksums") if isinstance(side.get("checksums"), dict) else {}
-    sums, by = {}, "source export"
+    sums, by = {}, "source export (verified)"
     for p in sorted(src.glob("*.safetensors")):
         sums[p.name] = _recorded_sha(recorded.get(p.name))
-        if sums[p.name] is None:
+        if sums[p.name] is None:   # a peer's checkpoint records none: what was read is what is recorded
             sums[p.name], by = file_sha256(p), "export"
     lineage = {"source": str(src.resolve()), "kind": "export", "format": src_fmt, "sha256": sums,
                "sha256_by": by, "made_from": side.get("lineage")}

@@ -13,6 +13,7 @@ from .head import DraftCache, Eagle1Drafter, Eagle3Drafter, HeadDrafter, MTPDraf
 from .hybrid import HybridDrafter
 from .ngram import NGramDrafter, ngram_match
 from .parallel import DFlashDrafter, PEagleDrafter
+from .suffix import SuffixCache, SuffixDrafter, SuffixTree, forget_responses
 
 HEAD_DRAFTERS = {"eagle3": Eagle3Drafter, "eagle1": Eagle1Drafter, "mtp": MTPDrafter,   # by HeadConfig.kind
                  "peagle": PEagleDrafter, "dflash": DFlashDrafter}
@@ -36,32 +37,50 @@ def _head(head, *, kind, name, target_vocab_size, **_) -> Drafter:
     return head if isinstance(head, Drafter) else drafter_for_head(head, name=name, target_vocab_size=target_vocab_size)
 
 
-def _hybrid(head, *, min_match, adaptive, **opts) -> Drafter:
-    return HybridDrafter(_head(head, **opts), _ngram(head, **opts), min_match=min_match, adaptive=adaptive)
+def _suffix(head, *, suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests,
+            suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob, **_) -> Drafter:
+    return SuffixDrafter(suffix_decoding_max_tree_depth, suffix_decoding_max_cached_requests,
+                         suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob)
 
 
-DRAFTERS = {"ngram": _ngram, "head": _head, "hybrid": _hybrid}
+def _hybrid(head, *, min_match, adaptive, free, **opts) -> Drafter:
+    return HybridDrafter(_head(head, **opts), DRAFTERS[free](head, **opts), min_match=min_match, adaptive=adaptive)
+
+
+DRAFTERS = {"ngram": _ngram, "head": _head, "hybrid": _hybrid, "suffix": _suffix}
 DRAFTER_KINDS = tuple(DRAFTERS)
+HYBRID_FREE = ("ngram", "suffix")    # what a hybrid's head is paired with
 
 
 def make_drafter(kind: str, head=None, *, name: str | None = None, target_vocab_size: int | None = None,
                  min_match: int = 3, min_ngram: int = 1, max_ngram: int = 4, occurrence: str = "latest",
-                 ngram_backend: str = "auto", adaptive: bool = True) -> Drafter:
+                 ngram_backend: str = "auto", adaptive: bool = True, free: str = "ngram",
+                 suffix_decoding_max_tree_depth: int = 24, suffix_decoding_max_cached_requests: int = 10000,
+                 suffix_decoding_max_spec_factor: float = 1.0, suffix_decoding_min_token_prob: float = 0.1) -> Drafter:
     """A runtime drafter by name (the builder the eval stage calls):
 
     - ``"ngram"``: ``NGramDrafter(min_ngram, max_ngram, occurrence, ngram_backend)`` (device
       proposer on CUDA, the host reference elsewhere, with ``ngram_backend="auto"``);
     - ``"head"``: ``drafter_for_head(head)`` (``head``: a head module or a HeadDrafter);
-    - ``"hybrid"``: ``HybridDrafter(head drafter, n-gram drafter, min_match, adaptive)``.
+    - ``"hybrid"``: ``HybridDrafter(head drafter, free drafter, min_match, adaptive)``, the free
+      drafter ``free`` = ``"ngram"`` (the n-gram drafter above) or ``"suffix"``;
+    - ``"suffix"``: ``SuffixDrafter`` with vLLM's ``suffix_decoding_*`` settings (its defaults).
     """
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter {kind!r}; use one of {DRAFTER_KINDS}")
+    if free not in HYBRID_FREE:
+        raise ValueError(f"a hybrid pairs its head with one of {HYBRID_FREE}, got free={free!r}")
     return DRAFTERS[kind](head, kind=kind, name=name, target_vocab_size=target_vocab_size, min_match=min_match,
                           min_ngram=min_ngram, max_ngram=max_ngram, occurrence=occurrence,
-                          ngram_backend=ngram_backend, adaptive=adaptive)
+                          ngram_backend=ngram_backend, adaptive=adaptive, free=free,
+                          suffix_decoding_max_tree_depth=suffix_decoding_max_tree_depth,
+                          suffix_decoding_max_cached_requests=suffix_decoding_max_cached_requests,
+                          suffix_decoding_max_spec_factor=suffix_decoding_max_spec_factor,
+                          suffix_decoding_min_token_prob=suffix_decoding_min_token_prob)
 
 
-__all__ = ["DRAFTERS", "DRAFTER_KINDS", "HEAD_DRAFTERS", "DFlashDrafter", "DraftCache", "DraftContext",
-           "DraftModelDrafter", "Drafter", "DraftVocabError", "Eagle1Drafter", "Eagle3Drafter", "HeadDrafter",
-           "HybridDrafter", "MTPDrafter", "NGramDrafter", "PEagleDrafter", "Proposal", "Verified", "drafter_for_head",
-           "make_drafter", "ngram_match"]
+__all__ = ["DRAFTERS", "DRAFTER_KINDS", "HEAD_DRAFTERS", "HYBRID_FREE", "DFlashDrafter", "DraftCache",
+           "DraftContext", "DraftModelDrafter", "Drafter", "DraftVocabError", "Eagle1Drafter", "Eagle3Drafter",
+           "HeadDrafter", "HybridDrafter", "MTPDrafter", "NGramDrafter", "PEagleDrafter", "Proposal", "SuffixCache",
+           "SuffixDrafter", "SuffixTree", "Verified", "drafter_for_head", "forget_responses", "make_drafter",
+           "ngram_match"]

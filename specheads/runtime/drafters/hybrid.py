@@ -1,4 +1,4 @@
-"""The hybrid drafter: per row and step, the n-gram proposal or the head's."""
+"""The hybrid drafter: per row and step, the n-gram (or suffix) proposal or the head's."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .base import Drafter, DraftContext, Proposal, Verified
 from .ngram import NGramDrafter
+from .suffix import SuffixDrafter
 
 
 def hybrid_choice(ngram_tokens, ngram_num, match_len, head_tokens, head_num, active, counts, use_ngram,
@@ -62,7 +63,11 @@ class HybridDrafter(Drafter):
     The head runs every step (its first pass keeps its cache current); with rule
     'rejection' the n-gram rows carry one-hot draft probabilities (q = δ_x, which is
     one-hot verification). ``choice_counts()``: how many drafting row-steps took each side
-    in the last ``generate`` call. Chains only."""
+    in the last ``generate`` call. Chains only.
+
+    The free side (``ngram_drafter``) is an n-gram drafter unless given: a ``SuffixDrafter``
+    takes its place as is (its ``match_len`` is the length of the suffix match it continues),
+    and the hybrid is then not graph-safe (the suffix trees live on the host)."""
 
     supports_tree = False
 
@@ -91,6 +96,11 @@ class HybridDrafter(Drafter):
     @property
     def graph_safe(self) -> bool:
         return bool(getattr(self.head, "graph_safe", False) and getattr(self.ngram, "graph_safe", False))
+
+    @property
+    def admits_rows(self) -> bool:
+        """Both halves restart a row on ``admit`` (on the device, or as the suffix drafter on the host)."""
+        return all(getattr(d, "graph_safe", False) or getattr(d, "admits_rows", False) for d in (self.head, self.ngram))
 
     def compile(self, units: bool = True, **compile_kwargs) -> "HybridDrafter":
         """The head's units, the n-gram match and the choice through torch.compile; ``units=False``:
@@ -167,4 +177,4 @@ class HybridDrafter(Drafter):
 
     def choice_counts(self) -> dict:
         n, h = (0, 0) if self.counts is None else self.counts.tolist()
-        return {"ngram": n, "head": h}
+        return {"suffix" if isinstance(self.ngram, SuffixDrafter) else "ngram": n, "head": h}

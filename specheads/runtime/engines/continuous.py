@@ -168,14 +168,19 @@ class ContinuousGeneration(Generation):
         ws.row_steps.zero_()
         self._reset_step_state()
         self.t = 0
+        safe = True
         if self.drafter is not None:
             self.drafter.start(self.ctx)
-            if not getattr(self.drafter, "graph_safe", False):
-                raise ValueError(f"{type(self.drafter).__name__} reads a host view of the batch: continuous batching "
-                                 f"needs a drafter whose state is on the device (a head, NGramDrafter(backend="
-                                 f"'device'), a hybrid of the two)")
-        self.graph_safe = True
-        self.capture = self.use_graphs    # the step never syncs (plain, or a graph-safe drafter)
+            safe = bool(getattr(self.drafter, "graph_safe", False))
+            # a host drafter serves here only if it restarts a row's state when a request takes the row over
+            if not safe and not getattr(self.drafter, "admits_rows", False):
+                raise ValueError(f"{type(self.drafter).__name__} reads a host view of the batch and keeps no state "
+                                 f"per request: continuous batching needs a drafter whose state is on the device "
+                                 f"(a head, NGramDrafter(backend='device'), a hybrid of the two) or one that "
+                                 f"admits rows (SuffixDrafter)")
+        self.graph_safe = safe
+        self.capture = self.use_graphs and safe        # the step never syncs (plain, or a graph-safe drafter)
+        self.inner_graphs = self.use_graphs and not safe   # a host drafter syncs each step: graph the forwards only
 
     def step(self) -> None:
         d = self.draft()
