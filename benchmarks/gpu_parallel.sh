@@ -6,8 +6,8 @@
 #      other layers than the dump holds), each with its recipe beside smollm2_eagle3_gpu.yaml
 #   3. each exported, then evaluated on the mixed set and Vicuna beside n-gram: EAGLE-3 and P-EAGLE at k = K
 #      (P-EAGLE's depths), DFlash at block_size - 1
-#   4. RUNTIME=1: bench_runtime at batch 1 and 8 with each head (compiled engine, CUDA graphs), and SERVE requests
-#      (default 64) of the mixed set served with continuous batching in 8 slots
+#   4. RUNTIME=1: after each head's evals, bench_runtime at batch 1 and 8 with it (compiled engine, CUDA graphs),
+#      and SERVE requests (default 64) of the mixed set served with continuous batching in 8 slots
 #   -> OUT/parallel.json and OUT/parallel.md (benchmarks/parallel_summary.py), refreshed after every stage
 #
 # Usage:  bash benchmarks/gpu_parallel.sh [GGUF [DATA [OUT]]]   (arguments as gpu_reference.sh's)
@@ -60,15 +60,12 @@ for kind in $KINDS; do
     stage eval_${kind}_$set $S eval $R "${OV[@]}" "${src[@]}" "eval.head=[$ED]" eval.k=$k eval.compare=[ngram] \
       eval.out=$P/eval_${kind}_$set
   done
+  # 4. decode speed with this head before the next kind trains (a run cut short keeps what it measured)
+  if [ -n "${RUNTIME:-}" ]; then
+    stage runtime_$kind python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs --batches 1,8 \
+      --new-tokens 128 --head $ED --k $k --engines compiled --drafters plain,ngram,head --repeat 3 \
+      --serve ${SERVE:-64} --out $P/runtime_$kind.json
+  fi
 done
 
-# 4. decode speed at batch 1 and 8 with each head (the compiled engine, CUDA graphs, fastest of 3)
-if [ -n "${RUNTIME:-}" ]; then
-  for kind in $KINDS; do
-    k=$K; [ $kind = dflash ] && k=$(( BLOCK - 1 ))
-    stage runtime_$kind python3 benchmarks/bench_runtime.py --device $DEVICE --cuda-graphs --batches 1,8 \
-      --new-tokens 128 --head $P/$kind --k $k --engines compiled --drafters plain,ngram,head --repeat 3 \
-      --serve ${SERVE:-64} --out $P/runtime_$kind.json
-  done
-fi
 log done
