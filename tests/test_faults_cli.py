@@ -375,23 +375,37 @@ def _lines(b: bytes) -> list[bytes]:
     return b.splitlines(keepends=True)
 
 
-@pytest.mark.parametrize("damage", ["middle", "torn"])
+@pytest.mark.parametrize("damage", ["middle", "flipped", "torn"])
 def test_damaged_regenerated_lines(ref, tmp_path, damage):
-    fault = ("a middle line of regenerated.jsonl made invalid JSON" if damage == "middle" else
-             "a torn last line of regenerated.jsonl (cut mid-line)")
-    with case("data regenerate", fault) as c:
+    fault = {"middle": "a middle line of regenerated.jsonl made invalid JSON",
+             "flipped": "a byte flipped inside a JSON string of a middle line of regenerated.jsonl (still valid JSON)",
+             "torn": "a torn last line of regenerated.jsonl (cut mid-line)"}[damage]
+    with case("data prepare, regenerate" if damage == "flipped" else "data regenerate", fault) as c:
         run = copy_run(ref, tmp_path / "run", keep=("data",))
         out = run / "data" / "regenerated.jsonl"
         lines = _lines(ref.regenerated)
+        k = len(lines) // 2
         if damage == "middle":
-            k = len(lines) // 2
             bad_line = b"z" + lines[k][1:]  # its opening brace lost: not JSON
             out.write_bytes(b"".join(lines[:k] + [bad_line] + lines[k + 1:]))
+        elif damage == "flipped":
+            at = lines[k].index(b'"content": "') + len(b'"content": "')
+            bad_line = lines[k][:at] + bytes([lines[k][at] ^ 0x01]) + lines[k][at + 1:]
+            json.loads(bad_line)
+            out.write_bytes(b"".join(lines[:k] + [bad_line] + lines[k + 1:]))
+            rc, _, perr = cli(ref, run, "data", "prepare", rc=None)
+            assert rc != 0 and f"line {k + 1}, field '_sha256'" in perr and "does not match its content" in perr
         else:
             out.write_bytes(b"".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
         _, _, err = cli(ref, run, "data", "regenerate")
         now = _lines(out.read_bytes())
-        if damage == "middle":
+        if damage == "flipped":
+            assert f"set aside 1 bad line(s) (line {k + 1}: _sha256" in err
+            assert now == lines[:k] + lines[k + 1:] + [lines[k]]
+            c.outcome = (f"prepare refused (exit 1) naming line {k + 1} and its checksum; regenerate set the line aside "
+                         f"and said so, kept the {len(lines) - 1} good records and generated that conversation "
+                         "again, equal to the reference's")
+        elif damage == "middle":
             assert f"set aside 1 bad line(s) (line {k + 1}: not JSON" in err
             aside = [json.loads(x) for x in (run / "data" / "regenerated.jsonl.bad.jsonl").read_text().splitlines()]
             assert len(aside) == 1 and aside[0]["line"] == k + 1 and aside[0]["text"].encode() + b"\n" == bad_line
