@@ -296,8 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _dispatch(args)
     except SpecheadsError as e:
-        print(f"specheads: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"specheads{_rank_label()}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2 if isinstance(e, RecipeError) else 1
+
+
+def _rank_label() -> str:
+    """' (rank R of W)' in a multi-process launch: a fault one rank hits (its disk full, say) is said by that rank
+    alone, among the launcher's lines about the ranks it then stops."""
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK", "0")
+    return f" (rank {rank} of {world})" if world.isdigit() and int(world) > 1 else ""
 
 
 def _stage_recipe(args, stage: str):

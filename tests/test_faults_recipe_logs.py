@@ -289,3 +289,15 @@ def test_update_card_is_a_recipe_key_and_a_flag(tmp_path):
     assert _recipe(tmp_path, "--compare", "ngram").eval.update_card is False
     assert _recipe(tmp_path, "--compare", "ngram", "--update-card").eval.update_card is True
     assert load_recipe(RECIPE, ["eval.update_card=true"]).eval.update_card is True
+
+
+def test_an_error_in_a_multi_process_launch_names_its_rank(tmp_path, monkeypatch, capsys):
+    """With several ranks, a fault (a full disk, say) is said by the rank that hit it, among the launcher's lines
+    about the ranks it then stops: the line names that rank."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["train", str(tmp_path / "missing.yaml")]) != 0
+    assert capsys.readouterr().err.startswith("specheads (rank 1 of 2): ")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["train", str(tmp_path / "missing.yaml")]) != 0
+    assert capsys.readouterr().err.startswith("specheads: ")
