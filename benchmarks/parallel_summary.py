@@ -87,8 +87,19 @@ def _tau(heads: dict, kind: str, name: str):
     return e["tau"] if isinstance(e, dict) else None
 
 
+def _speedup(heads: dict, kind: str, batch: int, mode: str):
+    """The head's speedup over plain decoding at ``batch`` in its runtime benchmark (``rows``: a static batch,
+    ``serving``: continuous batching), None where not measured."""
+    h = heads.get(kind)
+    rt = h.get("runtime") if isinstance(h, dict) else None
+    for r in (rt or {}).get(mode) or []:
+        if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head"):
+            return r["speedup"]
+    return None
+
+
 def goals(heads: dict) -> dict:
-    """The issue's τ goals where their inputs were measured; speedups need the runtime benchmark."""
+    """The goals where their inputs were measured: τ from the evals, speedups from the runtime benchmark."""
     g = {}
     for name, want in (("mixed", 4.0), ("vicuna", 3.5)):
         t = _tau(heads, "dflash", name)
@@ -96,6 +107,12 @@ def goals(heads: dict) -> dict:
     p, e = _tau(heads, "peagle", "mixed"), _tau(heads, "eagle3", "mixed")
     g["peagle_tau>=eagle3_tau_same_k (mixed)"] = ("not run" if p is None or e is None
                                                    else {"peagle": p, "eagle3": e, "met": p >= e})
+    d1, d8 = _speedup(heads, "dflash", 1, "rows"), _speedup(heads, "dflash", 8, "serving")
+    g["dflash_speedup_batch1>=3.0"] = "not run" if d1 is None else {"value": d1, "met": d1 >= 3.0}
+    g["dflash_speedup_served8>=1.5"] = "not run" if d8 is None else {"value": d8, "met": d8 >= 1.5}
+    p1, e1 = _speedup(heads, "peagle", 1, "rows"), _speedup(heads, "eagle3", 1, "rows")
+    g["peagle_speedup_batch1>=1.2x_eagle3"] = ("not run" if p1 is None or e1 is None
+                                               else {"peagle": p1, "eagle3": e1, "met": p1 >= 1.2 * e1})
     for kind in ("peagle", "dflash"):
         h = heads.get(kind)
         m = h["evals"].get("mixed") if isinstance(h, dict) else None
@@ -124,6 +141,22 @@ def markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def runtime_markdown(s: dict) -> str:
+    """Decode speed per head (bench_runtime): τ and speedup over plain decoding, static batches and served."""
+    lines = ["| head | drafter | batch | mode | τ | tok/s | speedup | lossless |", "|---|---|---:|---|---:|---:|---:|---|"]
+    for kind, h in s["heads"].items():
+        rt = h.get("runtime") if isinstance(h, dict) else None
+        if not rt:
+            continue
+        for mode, rows in (("static", rt.get("rows") or []), ("served", rt.get("serving") or [])):
+            for r in rows:
+                if r.get("drafter") == "plain":
+                    continue
+                lines.append(f"| {kind} | {r['drafter']} | {r['batch']} | {mode} | {r['tau']:.2f} | "
+                             f"{r['tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {'yes' if r.get('lossless') else 'NO'} |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", type=Path, help="gpu_parallel.sh's directory (RUN/parallel)")
@@ -134,7 +167,8 @@ def main(argv=None) -> dict:
     s = summarize(args.root, args.timeline)
     write_json_atomic(args.out, s)
     if args.md:
-        args.md.write_text(markdown(s))
+        rt = runtime_markdown(s)
+        args.md.write_text(markdown(s) + (f"\nDecode speed (bench_runtime, compiled, CUDA graphs):\n\n{rt}" if rt else ""))
     print(f"wrote {args.out}")
     return s
 
