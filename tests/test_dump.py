@@ -633,3 +633,20 @@ def test_smollm2_bf16_states_err_less_than_fp8_storage(smollm2):
             fp8_err = ((x8[:, cut] - x32[:, cut]).norm(dim=-1) / ref).median()
             bf16_err = ((x16[:, cut] - x32[:, cut]).norm(dim=-1) / ref).median()
             assert bf16_err < 0.6 * fp8_err, (j, float(bf16_err), float(fp8_err))
+
+
+def test_a_dump_the_disk_cannot_hold_is_refused_before_the_target_loads(tiny_target_dir, tmp_path, monkeypatch):
+    """The store's size follows from the rows' tokens, the layers and the hidden size (the target's config, no
+    weights): a disk that cannot hold it is said at once, with online training as the way out."""
+    import collections
+
+    import specheads.dump.writer as writer
+
+    recipe = Recipe(run_dir=str(tmp_path), target={"source": str(tiny_target_dir)}, dump={"dtype": "bfloat16"},
+                    head={"aux_layer_ids": [0, 1, 2]})
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda p: usage(10 ** 12, 0, 10 ** 6))
+    writer.check_disk_for_dump(recipe, 1_000)   # a small store fits
+    with pytest.raises(DumpError, match=r"the dump of 1,000,000 tokens \(3 layers \+ the final state, hidden 64, "
+                                        r"bfloat16\) needs about 0\.5 GB .* only 0\.0 GB are free.*dump\.mode=online"):
+        writer.check_disk_for_dump(recipe, 1_000_000)

@@ -320,7 +320,9 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
     if rows is None:
         from specheads.data.stage import check_rows
 
-        check_rows(recipe)  # missing or stale rows fail before the target loads
+        summary = check_rows(recipe)  # missing or stale rows fail before the target loads
+        if dist.rank == 0:
+            check_disk_for_dump(recipe, int(summary.get("tokens") or 0))
     try:
         if target is None:
             from specheads.target import load_target_for
@@ -340,6 +342,29 @@ def run_dump(recipe, target=None, rows=None, rank: int | None = None, world_size
                     rows_summary_sha256=summary_sha)
     finally:
         dist.close()
+
+
+def check_disk_for_dump(recipe, tokens: int) -> None:
+    """Refuse, before the target loads, a dump the disk cannot hold: the store's size from the rows' token count,
+    the layers and the target's hidden size (its config alone), less the shards a resume keeps."""
+    from specheads.layer_ids import resolve_aux_layer_ids
+    from specheads.target import target_facts_for
+
+    facts = target_facts_for(recipe)
+    n_layers, hidden = int(facts["num_hidden_layers"]), int(facts["hidden_size"])
+    ids = resolve_aux_layer_ids(recipe.dump.aux_layer_ids or recipe.head.aux_layer_ids, n_layers,
+                                kind=recipe.head.kind)
+    root = RunDir(recipe).dump
+    needed = tokens * bytes_per_token(recipe.dump.dtype, len(ids), hidden)
+    have = sum(p.stat().st_size for p in root.glob("*.safetensors")) if root.is_dir() else 0
+    probe = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(probe).free
+    if needed - have > free:
+        raise DumpError(
+            f"{root}: the dump of {tokens:,} tokens ({len(ids)} layers + the final state, hidden {hidden}, "
+            f"{recipe.dump.dtype}) needs about {needed / 1e9:.1f} GB ({have / 1e9:.1f} GB of it already written) but "
+            f"only {free / 1e9:.1f} GB are free there. Train online instead (dump.mode=online: the target runs "
+            f"inside the trainer, nothing is stored), or store fp8 (dump.dtype=fp8), or free space")
 
 
 def dump_layer_ids(recipe, target) -> list[int]:
