@@ -126,8 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, help="= eval.max_new_tokens")
     p.add_argument("--out", help="report directory (= eval.out; default: {run_dir}/eval)")
     p.add_argument("--update-card", action="store_true", default=None,
-                   help="write the measured acceptance into the README.md model card of each evaluated specheads "
-                   "export (without it, eval leaves the head directories untouched; = eval.update_card)")
+                   help="write the measured acceptance (and the --sweep's recommended serving configuration) into the "
+                   "README.md model card of each evaluated specheads export (without it, eval leaves the head "
+                   "directories untouched; = eval.update_card)")
+    p.add_argument("--sweep", action="store_true", default=None,
+                   help="also serve the prompts with continuous batching at every eval.sweep.concurrency, plain and "
+                   "with every head (and n-gram / suffix decoding of --compare) at every eval.sweep.k, and recommend "
+                   "the fastest configuration per concurrency with its vLLM --speculative-config and SGLang flags "
+                   "(report; the card with --update-card) (= eval.sweep.enabled)")
+    p.add_argument("--sweep-k", type=int, action="append", help="a k of the sweep (repeat for several; = eval.sweep.k)")
+    p.add_argument("--concurrency", type=int, action="append",
+                   help="requests in flight of the sweep (repeat for several; = eval.sweep.concurrency)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the plan; load nothing")
     _document_defaults(p, EVAL_FLAGS, EVAL_STANDALONE)
     return ap
@@ -151,20 +160,26 @@ EVAL_FLAGS = {"target": "target.source", "head": "eval.head", "prompts": "eval.p
               "tree": "eval.tree", "temperature": "eval.temperature", "rule": "eval.rule", "compare": "eval.compare",
               "engine": "eval.engine", "thresholds": "eval.thresholds", "chi_square_draws": "eval.chi_square_draws",
               "batch_size": "eval.batch_size", "limit": "eval.limit", "max_new_tokens": "eval.max_new_tokens",
-              "out": "eval.out", "update_card": "eval.update_card"}
+              "out": "eval.out", "update_card": "eval.update_card", "sweep": "eval.sweep.enabled",
+              "sweep_k": "eval.sweep.k", "concurrency": "eval.sweep.concurrency"}
 
 
 def eval_recipe(args) -> Recipe:
     """The eval recipe: the file's (if any), then its overrides, then the flags."""
     flags = _flag_overrides(args, EVAL_FLAGS)
     if args.recipe:
-        return load_recipe(args.recipe, list(args.overrides) + flags)
-    missing = [f for f, attr in (("--target", "target"), ("--prompts", "prompts"), ("--out", "out"))
-               if getattr(args, attr) is None]
-    if missing:
-        raise RecipeError(f"eval without a recipe needs {', '.join(missing)}")
-    standalone = [f"{k}={json.dumps(v)}" for k, v in EVAL_STANDALONE.items()]
-    return load_recipe(None, standalone + list(args.overrides) + flags)
+        recipe = load_recipe(args.recipe, list(args.overrides) + flags)
+    else:
+        missing = [f for f, attr in (("--target", "target"), ("--prompts", "prompts"), ("--out", "out"))
+                   if getattr(args, attr) is None]
+        if missing:
+            raise RecipeError(f"eval without a recipe needs {', '.join(missing)}")
+        standalone = [f"{k}={json.dumps(v)}" for k, v in EVAL_STANDALONE.items()]
+        recipe = load_recipe(None, standalone + list(args.overrides) + flags)
+    if (getattr(args, "sweep_k", None) or getattr(args, "concurrency", None)) and not recipe.eval.sweep.enabled:
+        raise RecipeError("--sweep-k and --concurrency set the sweep's k and concurrency, but the sweep is off: "
+                          "add --sweep (or eval.sweep.enabled: true)")
+    return recipe
 
 
 def export_recipe(args) -> tuple[Recipe, Path | None]:
@@ -237,10 +252,14 @@ def _plan(recipe: Recipe, stage: str) -> list[str]:
     if stage == "eval":
         e = recipe.eval
         head = e.head if e.head is not None else str(paths.export)
-        return [target, f"prompts {e.prompts} (split {e.split}, limit {e.limit})",
+        what = [target, f"prompts {e.prompts} (split {e.split}, limit {e.limit})",
                 f"generate ≤{e.max_new_tokens} tokens with and without drafting: head {head}, "
-                f"k={e.k}, rule {e.rule}, temperature {e.temperature}, compare {e.compare}, engine {e.engine}",
-                f"write report.json, report.md and plots to {paths.eval}"]
+                f"k={e.k}, rule {e.rule}, temperature {e.temperature}, compare {e.compare}, engine {e.engine}"]
+        if e.sweep.enabled:
+            what.append(f"sweep: serve with continuous batching at concurrency {e.sweep.concurrency}, plain and each "
+                        f"head (and {[c for c in e.compare if c in ('ngram', 'suffix')] or 'no'} weightless drafter) "
+                        f"at k {e.sweep.k}; recommend the fastest per concurrency")
+        return what + [f"write report.json, report.md and plots to {paths.eval}"]
     return []
 
 

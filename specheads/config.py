@@ -370,6 +370,30 @@ class ExportConfig(_Section):
 Rule = Literal["greedy", "rejection", "onehot", "tree_target_only"]
 
 
+class SweepConfig(_Section):
+    # `specheads eval --sweep`: every head (and n-gram / suffix decoding when eval.compare names them) at every k
+    # serves the eval conversations with continuous batching at every concurrency, plain decoding beside it; the
+    # report and, with eval.update_card, the head's card recommend the fastest configuration per concurrency
+    enabled: bool = False
+    # draft lengths; a P-EAGLE or DFlash head runs only the k one forward drafts (the k vLLM serves it with)
+    k: list[Annotated[int, Field(ge=1, le=16)]] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6], min_length=1)
+    # requests in flight (slots); above the number of conversations, every conversation is in flight at once
+    concurrency: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=lambda: [1, 8, 32],
+                                                                     min_length=1)
+
+    @field_validator("k", "concurrency", mode="before")
+    @classmethod
+    def _one_or_many(cls, v):  # eval.sweep.k=4 on the command line means [4], as eval.k=4 does
+        return [v] if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("k", "concurrency")
+    @classmethod
+    def _distinct(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"{sorted(v)} names a value twice")
+        return sorted(v)
+
+
 class EvalConfig(_Section):
     # head, k and rule take one value or a list: every combination becomes a run of the report
     prompts: str = "builtin:demo_prompts"  # or a file; held-out rows when 'holdout'
@@ -397,6 +421,7 @@ class EvalConfig(_Section):
     # write the measured acceptance into the README.md model card of each evaluated specheads export; off by
     # default: evaluating a head leaves its directory byte-identical
     update_card: bool = False
+    sweep: SweepConfig = Field(default_factory=SweepConfig)  # the serving-configuration sweep (--sweep)
     out: str | None = None  # default: {run_dir}/eval
 
     @field_validator("k")
@@ -453,6 +478,9 @@ class Recipe(_Section):
                 raise ValueError(f"eval.rule={rule!r} samples: it needs eval.temperature > 0")
             if rule == "greedy" and self.eval.temperature > 0:
                 raise ValueError("eval.rule='greedy' is for temperature 0: use rejection, onehot or tree_target_only")
+        if self.eval.sweep.enabled and self.eval.temperature > 0:
+            # its lossless check is token for token, and its speedups are those of greedy serving
+            raise ValueError("eval.sweep measures greedy decoding: it needs eval.temperature 0")
         if self.head.kind == "mtp" and self.head.mtp_loss_weights is not None:
             if len(self.head.mtp_loss_weights) != self.head.num_mtp_depths:
                 raise ValueError("head.mtp_loss_weights needs one weight per MTP depth")

@@ -7,7 +7,8 @@ and every comparison mode lands in the same shape:
      "baseline": {"name", "tokens_per_s", ...},
      "runs": [{"name", "engine", "drafter", "k", "tree", "rule", "temperature",
                "metrics": <runtime.metrics.summarize()>, "per_category": {cat: tau},
-               "tokens_per_s", "speedup", "lossless": {...}}, ...]}
+               "tokens_per_s", "speedup", "lossless": {...}}, ...],
+     "sweep": <evaluate.sweep.run_sweep()>  (with --sweep only)}
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def render_markdown(report: dict) -> str:
                              f"{', '.join(_fmt(x, 3) for x in ll.get('p_values', []))}; threshold "
                              f"{ll.get('alpha_level')} (Bonferroni): **{'pass' if ll.get('passed') else 'FAIL'}**"
                              + (f" — expected to fail: {ll['expect']}" if ll.get("expect") == "fail" else ""))
+    if report.get("sweep"):
+        lines += sweep_markdown(report["sweep"])
     extra = report.get("notes")
     if extra:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in extra]
@@ -120,6 +123,74 @@ def render_markdown(report: dict) -> str:
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(pth).stem}]({Path(pth).name})" for pth in plots]
     return "\n".join(lines) + "\n"
+
+
+PLAIN_NAME = "plain (no drafting)"     # the baseline's name in every report
+
+
+def _serve_cells(sv: dict) -> tuple[str, str]:
+    """(vLLM, SGLang) of a point's ``serving``, as a person pastes them."""
+    vllm = f"`{sv['vllm_flag']}`" if sv.get("vllm_flag") else "no `--speculative-config`"
+    if sv.get("sglang_flags"):
+        return vllm, f"`{sv['sglang_flags']}`"
+    return vllm, sv.get("sglang_note") or "no `--speculative-*` flags"
+
+
+def sweep_markdown(sw: dict) -> list[str]:
+    """The serving sweep: every point, then the configuration to serve with at each concurrency."""
+    lines = ["", "## Serving sweep (continuous batching)", "",
+             f"{sw.get('conversations')} conversations ({sw.get('turns')} turns) served with continuous batching at "
+             f"concurrency {', '.join(str(c) for c in sw.get('concurrency', []))} (requests in flight), greedy, "
+             f"max_new_tokens {sw.get('max_new_tokens')}. τ = decode tokens per target decode forward, request by "
+             "request; tok/s = every generated token over the wall time, prefills included; speedup = tok/s ÷ plain "
+             "decoding's at the same concurrency; lossless = greedy outputs identical to plain decoding's there.", "",
+             "| concurrency | drafter | k | τ | tok/s | speedup | lossless |", "|---|---|---|---|---|---|---|"]
+    for base in sw.get("plain", []):
+        C = base["concurrency"]
+        lines.append(f"| {C} | {PLAIN_NAME} | — | 1.00 | {_fmt(base.get('tokens_per_s'), 1)} | 1.00 | — |")
+        for p in sw.get("points", []):
+            if p["concurrency"] == C:
+                lines.append(f"| {C} | {p['drafter']} | {p['k']} | {_fmt(p.get('tau'))} | "
+                             f"{_fmt(p.get('tokens_per_s'), 1)} | {_fmt(p.get('speedup'))} | "
+                             f"{_lossless_cell(p.get('lossless'))} |")
+    recs = sw.get("recommendation", [])
+    if recs:
+        lines += ["", "### Recommended serving configuration", "",
+                  "Per concurrency, the fastest configuration measured above (ties: the smaller k, plain first). "
+                  f"`vllm serve {sw.get('target', 'TARGET')}` takes the vLLM flag; SGLang's "
+                  "`python -m sglang.launch_server` takes its flags.", "",
+                  "| concurrency | serve with | k | τ | speedup | vLLM | SGLang |", "|---|---|---|---|---|---|---|"]
+        for r in recs:
+            vllm, sglang = _serve_cells(r.get("serving") or {})
+            lines.append(f"| {r['concurrency']} | {r['drafter']} | {r['k'] or '—'} | {_fmt(r.get('tau'))} | "
+                         f"{_fmt(r.get('speedup'))}× | {vllm} | {sglang} |")
+    if sw.get("notes"):
+        lines += [""] + [f"- {n}" for n in sw["notes"]]
+    return lines
+
+
+def _sweep_plot(sw: dict, plt):
+    """Speedup against k, one panel per concurrency, a line per drafter; the recommended point starred."""
+    concs = sw.get("concurrency", [])
+    fig, axes = plt.subplots(1, len(concs), figsize=(4.2 * len(concs), 3.6), squeeze=False, sharey=True)
+    rec = {r["concurrency"]: r for r in sw.get("recommendation", [])}
+    for ax, C in zip(axes[0], concs):
+        pts = [p for p in sw.get("points", []) if p["concurrency"] == C]
+        for name in dict.fromkeys(p["drafter"] for p in pts):
+            mine = sorted((p for p in pts if p["drafter"] == name), key=lambda p: p["k"])
+            ax.plot([p["k"] for p in mine], [p["speedup"] for p in mine], marker="o", label=name)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--", label=PLAIN_NAME)
+        r = rec.get(C)
+        if r and r.get("k"):
+            ax.plot([r["k"]], [r["speedup"]], marker="*", ms=16, color="gold", mec="black", ls="none",
+                    label=f"recommended: {r['drafter']} k={r['k']}")
+        ax.set_xticks(sorted({p["k"] for p in pts}))
+        ax.set_xlabel("k (drafts per step)")
+        ax.set_title(f"concurrency {C}")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("speedup over plain decoding")
+    fig.suptitle("Serving sweep: speedup against k (continuous batching)")
+    return fig
 
 
 def write_plots(report: dict, out_dir: Path) -> list[str]:
@@ -140,6 +211,9 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
         fig.savefig(p, dpi=120)
         plt.close(fig)
         paths.append(str(p))
+
+    if (report.get("sweep") or {}).get("points"):
+        save(_sweep_plot(report["sweep"], plt), "sweep_speedup.png")
 
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(runs) + 2), 3.8))
     taus = [r.get("metrics", {}).get("tau", float("nan")) for r in runs]

@@ -6,7 +6,9 @@ per run (head × k × rule, plus n-gram or suffix decoding when compared). The r
 vLLM's τ, acceptance rate, α_i, τ per category, tokens/s and speedup, and the
 lossless checks: greedy outputs must equal the baseline token for token;
 sampled outputs must keep the target's per-position token distribution
-(two-sample χ² against plain sampling).
+(two-sample χ² against plain sampling). With ``eval.sweep`` (``--sweep``) the
+report also holds the serving sweep (``evaluate/sweep.py``): every drafter at every
+k and concurrency under continuous batching, and the configuration to serve with.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from specheads.errors import SpecheadsError
 from specheads.evaluate.inputs import input_problems
 from specheads.evaluate.lossless import chi_square_check, greedy_lossless
 from specheads.evaluate.report import write_report
+from specheads.evaluate.sweep import Candidate, WEIGHTLESS_LABEL, build_candidates, run_sweep
 from specheads.formats.convert import load_head_for
 from specheads.runtime.chat import chat_generate
 from specheads.runtime.drafters import forget_responses, make_drafter
@@ -80,7 +83,7 @@ def plan_runs(recipe) -> list[RunSpec]:
     e = recipe.eval
     if e.split == "holdout" and recipe.data.holdout_fraction <= 0:
         raise EvalError("eval.split=holdout needs data.holdout_fraction > 0")
-    heads = e.as_list("head") if e.head is not None else [str(RunDir(recipe).export)]
+    heads = _heads(recipe)
     ks, rules = e.as_list("k"), e.as_list("rule")
     tree = e.tree
     if tree:
@@ -127,6 +130,35 @@ def plan_runs(recipe) -> list[RunSpec]:
         raise EvalError("eval: nothing to compare — give a head (eval.head / --head) or a weightless drafter "
                         "(eval.compare / --compare ngram or suffix)")
     return runs
+
+
+def _heads(recipe) -> list[str]:
+    e = recipe.eval
+    return e.as_list("head") if e.head is not None else [str(RunDir(recipe).export)]
+
+
+def plan_sweep(recipe) -> tuple[list[Candidate], list[str]]:
+    """The sweep's drafters (``eval.sweep``): each head, then n-gram and suffix decoding where eval.compare names
+    them; and what it leaves out, as report notes. Called after ``plan_runs`` has checked the inputs."""
+    e = recipe.eval
+    heads = _heads(recipe)
+    names = [Path(h).name for h in heads]
+    # the report's name of each head: its folder's, or the path given where two folders share a name
+    labels = ["head"] if len(heads) == 1 else [h if names.count(n) > 1 else n for h, n in zip(heads, names)]
+    cands = [Candidate(label, h, list(e.sweep.k)) for label, h in zip(labels, heads)]
+    cands += [Candidate(WEIGHTLESS_LABEL[w], w, list(e.sweep.k), kind=w) for w in WEIGHTLESS if w in e.compare]
+    notes = []
+    hybrids = [c for c in e.compare if c.startswith("hybrid")]
+    if hybrids:
+        notes.append(f"eval.compare {', '.join(hybrids)}: not swept (neither vLLM nor SGLang serves a head with "
+                     "n-gram or suffix drafts)")
+    if e.tree:
+        notes.append(f"eval.tree {e.tree}: not swept (continuous batching and vLLM 0.32 verify chains; the sweep "
+                     "serves chains of k drafts)")
+    if not cands:
+        raise EvalError("eval.sweep: nothing to sweep — give a head (eval.head / --head), or ngram or suffix in "
+                        "eval.compare / --compare")
+    return cands, notes
 
 
 def load_eval_prompts(recipe) -> tuple[list[dict], str]:
@@ -188,7 +220,8 @@ def _engine_for(target, prompts: list[dict], e) -> TargetModel:
     longest = max(sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 64 for t in it["turns"]) + len(it["turns"])
                   * (e.max_new_tokens + 40) for it in prompts)
     max_pos = int(getattr(target.config, "max_position_embeddings", 4096) or 4096)
-    batch = max(e.batch_size, min(64, e.chi_square_draws) if e.chi_square_draws else 1)
+    batch = max(e.batch_size, min(64, e.chi_square_draws) if e.chi_square_draws else 1,
+                min(max(e.sweep.concurrency), len(prompts)) if e.sweep.enabled else 1)
     engine = TargetModel.from_hf(target.model, max_batch=batch, max_seq=min(max_pos, longest + 64))
     return engine.compile_layers() if e.compile else engine
 
@@ -218,6 +251,7 @@ def run_eval(recipe, target=None) -> dict:
     """Plain decoding, then every planned run; writes report.json/.md and plots to ``RunDir(recipe).eval``."""
     e = recipe.eval
     specs = plan_runs(recipe)
+    sweep = plan_sweep(recipe) if e.sweep.enabled else None
     if e.engine == "vllm":
         from specheads.evaluate.vllm_compare import find_vllm_python
 
@@ -247,11 +281,15 @@ def run_eval(recipe, target=None) -> dict:
                 "seconds": plain_s}
 
     runs, drafters = [], {}
-    for spec in specs:
+
+    def drafter_for(spec: RunSpec):
         key = (spec.drafter, spec.hybrid, spec.adaptive, spec.free)
         if key not in drafters:
             drafters[key] = build_drafter(spec, target, engine.dtype, engine.device, e.hybrid_min_match, e.compile)
-        drafter = drafters[key]
+        return drafters[key]
+
+    for spec in specs:
+        drafter = drafter_for(spec)
         _default_parallel_k(spec, drafter, e)
         chat_generate(engine, tok, prompts[:e.batch_size], drafter=drafter, k=spec.k, tree=spec.tree_config(),
                       rule=spec.rule, thresholds=spec.thresholds, **warm)
@@ -291,6 +329,10 @@ def run_eval(recipe, target=None) -> dict:
         "runs": runs,
         "notes": [],
     }
+    if sweep is not None:
+        cands, notes = sweep
+        build_candidates(cands, lambda h: drafter_for(RunSpec(h, h)), e.compile, notes)
+        report["sweep"] = run_sweep(engine, target, prompts, recipe, cands, notes)
     if e.engine == "vllm":
         from specheads.evaluate.vllm_compare import add_vllm_runs
 

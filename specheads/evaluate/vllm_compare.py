@@ -179,11 +179,23 @@ def save_hf_target(target, out_dir: Path, dtype: str = "float32") -> Path:
     return out_dir
 
 
-def speculative_config_for(drafter: str, k: int, ngram=(1, 4)) -> tuple[dict | None, str | None]:
-    """-> (vLLM speculative_config, None) or (None, reason the run cannot be expressed in vLLM)."""
+def speculative_config_for(drafter: str, k: int, ngram=(1, 4), suffix=None) -> tuple[dict | None, str | None]:
+    """-> (vLLM speculative_config, None) or (None, reason the run cannot be expressed in vLLM). ``suffix``: the
+    SuffixDrafter whose settings a suffix run used (None: its defaults, which are vLLM's)."""
     if drafter in ("ngram", "n-gram"):
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": int(ngram[0]),
                 "prompt_lookup_max": int(ngram[1])}, None
+    if drafter in ("suffix", "suffix decoding"):
+        if suffix is None:
+            from specheads.runtime.drafters import SuffixDrafter
+
+            suffix = SuffixDrafter()
+        # every setting written out: a later vLLM default cannot change what was measured
+        return {"method": "suffix", "num_speculative_tokens": k,
+                "suffix_decoding_max_tree_depth": suffix.max_tree_depth,
+                "suffix_decoding_max_cached_requests": suffix.max_cached_requests,
+                "suffix_decoding_max_spec_factor": suffix.max_spec_factor,
+                "suffix_decoding_min_token_prob": suffix.min_token_prob}, None
     from specheads.formats.convert import detect_format
 
     fmt = detect_format(drafter)

@@ -7,25 +7,48 @@ from pathlib import Path
 from .common import SIDE_FILE, ExportMeta, read_side
 
 
+PARALLEL_KINDS = ("peagle", "dflash")   # one forward drafts a block; SGLang reads neither
+
+
+def vllm_speculative_config(d: str, k: int, fmt: str = "speculators", kind: str | None = None) -> dict:
+    """vLLM 0.32's SpeculativeConfig for the head folder ``d`` drafting ``k`` tokens per step. ``k`` of a
+    parallel kind is what one forward drafts: P-EAGLE's K, DFlash's block_size - 1."""
+    if kind == "peagle":    # P-EAGLE is eagle3 with parallel_drafting; dflash turns it on itself
+        return {"method": "eagle3", "model": d, "num_speculative_tokens": k, "parallel_drafting": True}
+    if kind == "dflash":
+        return {"method": "dflash", "model": d, "num_speculative_tokens": k}
+    return {"method": "eagle" if fmt == "eagle" else "eagle3", "model": d, "num_speculative_tokens": k}
+
+
+def speculative_config_flag(spec: dict) -> str:
+    """``--speculative-config '<JSON>'`` as ``vllm serve`` takes it (compact JSON, shell-quoted)."""
+    return f"--speculative-config '{json.dumps(spec, separators=(',', ':'))}'"
+
+
+def sglang_flags(d: str, k: int, fmt: str = "speculators", kind: str | None = None) -> str | None:
+    """SGLang's speculative flags for a chain of ``k`` drafts; None for the parallel kinds (no SGLang reader)."""
+    if kind in PARALLEL_KINDS:
+        return None
+    algo = "EAGLE" if fmt == "eagle" else "EAGLE3"
+    return (f"--speculative-algorithm {algo} --speculative-draft-model-path {d} --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+
+
 def launch_lines(target: str, d: str, k: int, fmt: str = "speculators", kind: str | None = None) -> dict[str, str]:
-    """The serve commands; ``lines["sglang"]`` is None for the parallel kinds (SGLang serves neither).
-    ``k`` of a parallel kind is what one forward drafts: P-EAGLE's K, DFlash's block_size - 1."""
-    if kind in ("peagle", "dflash"):
-        # vLLM 0.32 SpeculativeConfig: P-EAGLE is eagle3 with parallel_drafting; dflash turns it on itself
-        spec = {"method": "eagle3", "model": d, "num_speculative_tokens": k, "parallel_drafting": True} \
-            if kind == "peagle" else {"method": "dflash", "model": d, "num_speculative_tokens": k}
-        return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(spec, separators=(',', ':'))}'",
-                "sglang": None}
-    method = "eagle3"
-    if fmt == "eagle":
-        method = "eagle"
-    lines = {"vllm": f"vllm serve {target} --speculative-config "
-                     f"'{json.dumps({'method': method, 'model': d, 'num_speculative_tokens': k}, separators=(',', ':'))}'"}
-    algo = "EAGLE3" if method == "eagle3" else "EAGLE"
-    lines["sglang"] = (f"python -m sglang.launch_server --model {target} --speculative-algorithm {algo} "
-                       f"--speculative-draft-model-path {d} --speculative-num-steps {k} "
-                       f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
-    return lines
+    """The serve commands; ``lines["sglang"]`` is None for the parallel kinds (SGLang serves neither)."""
+    flags = sglang_flags(d, k, fmt, kind)
+    return {"vllm": f"vllm serve {target} {speculative_config_flag(vllm_speculative_config(d, k, fmt, kind))}",
+            "sglang": f"python -m sglang.launch_server --model {target} {flags}" if flags else None}
+
+
+def _step_k(hc: dict, meta: ExportMeta) -> int:
+    """The tokens one step drafts: the export's k, or what one forward of a parallel head drafts."""
+    kind, k = hc.get("kind"), int(meta.speculative_tokens)
+    if kind == "peagle":
+        return int(hc.get("num_depths", k))
+    if kind == "dflash":
+        return int(hc.get("block_size", k + 1)) - 1
+    return k
 
 
 def acceptance_section(rep: dict, source: str) -> list[str]:
@@ -48,6 +71,49 @@ def acceptance_section(rep: dict, source: str) -> list[str]:
         md.append(f"| {r.get('name')} | {r.get('engine', 'specheads')} | {f(m.get('tau'))} | "
                   f"{f(m.get('vllm_mean_acceptance_length'))} | {f(m.get('acceptance_rate'))} | "
                   f"{' '.join(f(a) for a in m.get('alpha', []))} | {f(r.get('speedup'))} | {lossless} |")
+    return md + [""]
+
+
+def recommendation_section(rep: dict, source: str, out: Path, target: str, d: str, fmt: str, kind: str) -> list[str]:
+    """This head's fastest k at each concurrency of a `specheads eval --sweep` report, with the commands that serve
+    it (the same builders as the card's Serve section), and where plain decoding or another drafter was faster."""
+    sw = rep.get("sweep") or {}
+    here = Path(out).resolve()
+    mine = sorted((b for b in sw.get("best", []) if b.get("head") and Path(b["head"]) == here),
+                  key=lambda b: b["concurrency"])
+    if not mine:
+        return []
+    st = rep.get("settings", {})
+    md = ["## Recommended serving configuration", "",
+          f"Measured by `specheads eval --sweep` (`{source}`, {rep.get('created', '?')}): {sw.get('conversations')} "
+          f"conversations served with continuous batching, greedy, max_new_tokens {sw.get('max_new_tokens')}, device "
+          f"{st.get('device')}. Per concurrency (requests in flight), the k with the best speedup over plain decoding "
+          "at the same concurrency; τ = decode tokens per target decode forward.", "",
+          "| concurrency | k | τ | speedup | lossless |", "|---|---|---|---|---|"]
+    for b in mine:
+        ll = b.get("lossless") or {}
+        md.append(f"| {b['concurrency']} | {b['k']} | {b['tau']:.2f} | {b['speedup']:.2f}× | "
+                  f"{ll.get('identical')}/{ll.get('total')} identical |")
+    overall = {r["concurrency"]: r for r in sw.get("recommendation", [])}
+    for b in mine:
+        r = overall.get(b["concurrency"])
+        if not r or (r.get("head") is not None and Path(r["head"]) == here):
+            continue
+        what = f"{r['drafter']}" + (f" k={r['k']}" if r.get("k") else "")
+        if r.get("k") == 0:
+            tail = ": serve without speculative decoding there."
+        elif round(b["speedup"], 2) < 1:
+            tail = "; this head is slower than plain decoding there."
+        else:
+            tail = "."
+        md += ["", f"At concurrency {b['concurrency']}, {what} was faster ({r['speedup']:.2f}× against this head's "
+                   f"{b['speedup']:.2f}×){tail}"]
+    for k in dict.fromkeys(b["k"] for b in mine):
+        concs = ", ".join(str(b["concurrency"]) for b in mine if b["k"] == k)
+        lines = launch_lines(target, d, k, fmt, kind)
+        md += ["", f"k = {k} (best at concurrency {concs}), vLLM:", "", "```bash", lines["vllm"], "```", ""]
+        md += (["SGLang:", "", "```bash", lines["sglang"], "```"] if lines["sglang"]
+               else [f"SGLang has no reader for a {kind} head."])
     return md + [""]
 
 
@@ -122,11 +188,7 @@ def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = Non
     target = target or meta.verifier_name_or_path or "TARGET"
     d = model_path or head_path_for_card(out)
     kind = hc.get("kind", "draft")
-    k = int(meta.speculative_tokens)
-    if kind == "peagle":
-        k = int(hc.get("num_depths", k))
-    elif kind == "dflash":
-        k = int(hc.get("block_size", k + 1)) - 1
+    k = _step_k(hc, meta)
     lines = launch_lines(target, d, k, fmt, kind)
     how = {"peagle": f"It drafts K = {k} tokens in one forward (P-EAGLE, parallel drafting)",
            "dflash": f"It drafts a block of {k + 1} slots (the verified anchor + {k} drafted tokens) in one forward "
@@ -151,7 +213,9 @@ def write_card(out_dir, meta: ExportMeta | None = None, *, fmt: str | None = Non
             ("mask token id", hc.get("mask_token_id") if kind in ("peagle", "dflash") else None),
             ("norm_before_residual", hc.get("norm_before_residual") if kind != "dflash" else None)]) + [""]
     if report_json:
-        md += acceptance_section(json.loads(Path(report_json).read_text()), head_path_for_card(report_json))
+        rep = json.loads(Path(report_json).read_text())
+        md += acceptance_section(rep, head_path_for_card(report_json))
+        md += recommendation_section(rep, head_path_for_card(report_json), out, target, d, fmt, kind)
     md += ["## Serve", "", f"`{d}` is this head's folder; after moving it, give its new path.", "",
            "vLLM:", "", "```bash", lines["vllm"], "```", ""]
     md += (["SGLang:", "", "```bash", lines["sglang"], "```", ""] if lines["sglang"]

@@ -8,10 +8,11 @@ depend on which batch it landed in — that is what makes regeneration
 resumable and deterministic.
 
 Two schedules: fixed batches (every turn of a batch waits for its longest
-answer; eval measures drafting this way) and, with ``continuous=True`` and
-no drafter, continuous batching (``generate_flows``): a finished
-answer's slot takes the next prompt at once, and a conversation's next turn
-is queued, whole conversation so far, ahead of the conversations not yet
+answer; eval measures drafting this way) and continuous batching
+(``generate_flows``; ``chat_generate(continuous=True)`` without a drafter, or
+``chat_continuous`` with or without one, as the eval's serving sweep runs): a
+finished answer's slot takes the next prompt at once, and a conversation's next
+turn is queued, whole conversation so far, ahead of the conversations not yet
 started.
 """
 
@@ -40,6 +41,9 @@ class ChatResult:
     answer_tokens: list[list[int]] = field(default_factory=list)   # per turn: generated ids
     finish_reasons: list[str] = field(default_factory=list)
     records: list[StepRecord] = field(default_factory=list)
+    # per turn, continuous batching only: the target decode forwards of the turn's request (its τ is
+    # (len(answer) - 1) / forwards: the first token is the prefill's)
+    target_forwards: list[int] = field(default_factory=list)
 
 
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -67,10 +71,12 @@ def chat_generate(engine, tokenizer, conversations: list[dict], *, max_new_token
     records (plain decoding emits one token per forward).
     """
     if continuous and drafter is None:
-        return _chat_continuous(engine, tokenizer, conversations, max_new_tokens=max_new_tokens,
-                                batch_size=batch_size, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                max_prompt_tokens=max_prompt_tokens, use_cuda_graphs=use_cuda_graphs,
-                                on_done=on_done, progress=progress, sync_every=sync_every, refill_at=refill_at)
+        results, stats = chat_continuous(engine, tokenizer, conversations, max_new_tokens=max_new_tokens,
+                                         batch_size=batch_size, temperature=temperature, top_k=top_k, top_p=top_p,
+                                         seed=seed, max_prompt_tokens=max_prompt_tokens,
+                                         use_cuda_graphs=use_cuda_graphs, on_done=on_done, progress=progress,
+                                         sync_every=sync_every, refill_at=refill_at)
+        return results, stats["seconds"]
     results: list[ChatResult] = []
     gen_seconds = 0.0
     for start in range(0, len(conversations), batch_size):
@@ -126,15 +132,25 @@ def _conversation(c: dict, state: ChatResult, tokenizer, eos, max_prompt_tokens,
             state.finish_reasons = ["skipped:overlong"]
             return
         state.prompt_tokens.append(ids)
-        toks, why = yield Request(ids, max_new_tokens, seed=seed_for(state.id, seed, turn))
+        req = Request(ids, max_new_tokens, seed=seed_for(state.id, seed, turn))
+        toks, why = yield req
         state.answer_tokens.append(toks)
         state.finish_reasons.append(why)
+        state.target_forwards.append(req.target_forwards)   # set by the engine before it hands the answer back
         text = tokenizer.decode(_strip_stop(toks, eos), skip_special_tokens=True)
         state.messages.append({"role": "assistant", "content": text})
 
 
-def _chat_continuous(engine, tokenizer, conversations, *, max_new_tokens, batch_size, temperature, top_k, top_p,
-                     seed, max_prompt_tokens, use_cuda_graphs, on_done, progress, sync_every, refill_at):
+def chat_continuous(engine, tokenizer, conversations: list[dict], *, max_new_tokens: int, batch_size: int,
+                    drafter=None, k: int = 3, rule: str | None = None, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int = 0, max_prompt_tokens: int | None = None,
+                    use_cuda_graphs: bool = False, on_done=None, progress=None, sync_every: int = 8,
+                    refill_at: int = 1, pipeline_harvest: bool | None = None) -> tuple[list[ChatResult], dict]:
+    """Every user turn of every conversation through ``batch_size`` slots with continuous batching, plain or
+    with a chain ``drafter`` (``k`` drafts a step; ``rule`` as ``generate_continuous`` takes it), as a server
+    serves them; returns (results in input order, ``generate_continuous``'s counts: ``tau``, ``tokens``,
+    ``seconds``, ...). Each result's ``target_forwards`` holds its turns' decode forwards.
+    ``pipeline_harvest``: None leaves ``generate_flows``' default (on, on a GPU: bulk generation)."""
     states = []
     for c in conversations:
         msgs = [{"role": "system", "content": c["system"]}] if c.get("system") else []
@@ -145,8 +161,9 @@ def _chat_continuous(engine, tokenizer, conversations, *, max_new_tokens, batch_
     stats = generate_flows(engine, flows, lambda i: on_done(states[i]) if on_done is not None else None,
                            on_tokens=progress, batch_size=batch_size, temperature=temperature, top_k=top_k,
                            top_p=top_p, use_cuda_graphs=use_cuda_graphs, sync_every=sync_every,
-                           refill_at=refill_at)
-    return states, stats["seconds"]
+                           refill_at=refill_at, drafter=drafter, k=k, rule=rule,
+                           **({} if pipeline_harvest is None else {"pipeline_harvest": pipeline_harvest}))
+    return states, stats
 
 
 def _skipped(s: ChatResult) -> bool:
