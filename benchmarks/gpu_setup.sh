@@ -30,3 +30,48 @@ SMALL_DATA_OV=(data.synthesize.num_prompts=6 data.synthesize.batch_size=6 data.s
   data.sources.0.limit=16 data.sources.1.limit=8 data.sources.2.limit=8 data.sources.3.limit=4
   data.sources.4.limit=8 data.sources.5.limit=8 data.regenerate.max_new_tokens=32 data.regenerate.batch_size=8
   data.regenerate.max_prompt_tokens=256 vocab.draft_vocab_size=4096 dump.batch_tokens=4096)
+
+# require_files DIR FILE...: exit 2 naming every FILE missing from DIR (before any stage starts)
+require_files() {
+  local dir=$1 f missing=(); shift
+  [ -d "$dir" ] || { echo "no data folder: $dir" >&2; exit 2; }
+  for f in "$@"; do [ -f "$dir/$f" ] || missing+=("$f"); done
+  [ ${#missing[@]} -eq 0 ] || { echo "missing in $dir: ${missing[*]}" >&2; exit 2; }
+}
+
+# use_gguf_parts SRC RECIPE: TARGET_OV=(...) pointing RECIPE's target (a GGUF in parts, target.gguf_parts) at SRC,
+# the folder of its parts or the joined GGUF file, and the environment use_gguf exports. Refuses (exit 2) a SRC that
+# is missing, a folder that lacks a part (all missing parts named) and a file whose sha256 is not the recipe's:
+# the stages would find out only after loading, or after the first stage's log
+use_gguf_parts() {
+  local src=$1 recipe=$2 abs
+  [ -n "$src" ] || { echo "give the GGUF parts folder or the joined GGUF file" >&2; exit 2; }
+  [ -e "$src" ] || { echo "GGUF parts folder or file not found: $src" >&2; exit 2; }
+  abs=$(cd "$(dirname "$src")" && pwd)/$(basename "$src")
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+  python3 - "$abs" "$recipe" <<'PY' || exit 2
+import hashlib, sys
+from pathlib import Path
+from specheads.config import load_recipe
+from specheads.gguf_parts import GGUFPartsError, parts_in_folder
+src, spec = Path(sys.argv[1]), load_recipe(sys.argv[2]).target.gguf_parts
+if src.is_dir():
+    try:
+        parts_in_folder(spec, src)
+    except GGUFPartsError as e:
+        sys.exit(str(e))
+else:
+    h = hashlib.sha256()
+    with open(src, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    if h.hexdigest() != spec.sha256:
+        sys.exit(f"{src}: sha256 {h.hexdigest()}, not the joined file of {sys.argv[2]} ({spec.sha256})")
+PY
+  if [ -d "$abs" ]; then
+    TARGET_OV=("target.gguf_parts.folder=$abs")
+  else
+    # the joined file stands in for its parts: a path as target.source (the resumed stages must name the same one)
+    TARGET_OV=(target.gguf_parts=null "target.source=$abs")
+  fi
+}

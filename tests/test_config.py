@@ -6,7 +6,8 @@ from specheads.config import RecipeError, load_recipe
 from specheads.layer_ids import check_layer_ids, default_eagle3_layer_ids, hf_to_output_index, output_to_hf_index
 from specheads.rundir import RunDir, recipe_hash
 
-RECIPES = ["recipes/smollm2_eagle3.yaml", "recipes/llama8b_eagle3.yaml", "recipes/qwen3_8b_eagle3.yaml"]
+RECIPES = ["recipes/smollm2_eagle3.yaml", "recipes/llama8b_eagle3.yaml", "recipes/qwen3_8b_eagle3.yaml",
+           "recipes/qwen2.5_coder_1.5b_eagle3.yaml"]
 
 
 @pytest.mark.parametrize("path", RECIPES)

@@ -1,0 +1,372 @@
+"""The Qwen2.5-Coder-1.5B run of ``gpu_qwen.sh``: ``OUT/qwen2.5_coder_1.5b.json`` and a Markdown table; and the
+held-out code set that run evaluates on.
+
+``code-holdout`` writes the code eval set: the prompts of a code file no recipe trains on (code_alpaca_2k.json),
+less every row whose instruction is the same as, or a near-duplicate of, an instruction of a file the recipe does
+train on (new_codealpaca.json), with the counts beside it (``.summary.json``).
+
+``summary`` reads what the stages wrote (nothing is re-measured here): per head kind (``eagle3``, ``peagle``,
+``dflash``) the eval reports ``RUN/eval_{kind}_{set}/report.json`` and the training metrics
+``RUN/train_{kind}/metrics.jsonl``; ``bench_runtime`` JSONs (``--runtime KIND=F``), ``bandwidth.py``'s JSON and the
+script's timeline. Per head and eval set: τ of the head, n-gram, suffix decoding and the two hybrids, the head
+against the better model-free drafter (overall and per category), and the hybrid that pairs the head with that
+one; the goals judged on what was measured (anything not run is said so). ``--merge F`` fills the heads this run
+did not train from an earlier summary (each head kind is a run of its own), marked ``carried_over``.
+
+    python benchmarks/qwen_summary.py code-holdout --src DATA/code_alpaca_2k.json \\
+        --exclude DATA/new_codealpaca.json --out RUN/data/code_holdout.json
+    python benchmarks/qwen_summary.py summary --run RUN --out OUT/qwen2.5_coder_1.5b.json [--md OUT/....md] \\
+        [--timeline OUT/timeline.txt] [--bandwidth OUT/bandwidth.json] [--runtime eagle3=F ...] [--merge F ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from parallel_summary import training  # noqa: E402
+from reference_summary import _load, eval_set, machine, timeline  # noqa: E402
+from run_paths import relative  # noqa: E402
+from specheads.fileio import write_json_atomic  # noqa: E402
+
+TITLE = "Qwen2.5-Coder-1.5B-Instruct draft heads (GGUF Q4_K_M target, online training)"
+KINDS = ("eagle3", "peagle", "dflash")
+CODE_SET = "code_alpaca_2k_heldout"
+SETS = {"mixed": "builtin:eval_mixed, 152 prompts in 7 categories, never trained on",
+        "vicuna": "vicuna_bench_questions.jsonl, 80 prompts",
+        "gsm8k_holdout": "gsm8k_train.jsonl, the rows data.holdout_fraction holds back",
+        "code_holdout": f"{CODE_SET}: code_alpaca_2k.json, trained on by no source, less the instructions "
+                        "new_codealpaca.json repeats (see code_holdout)"}
+FREE = ("ngram", "suffix")
+HYBRID_OF = {"ngram": "hybrid", "suffix": "hybrid_suffix"}  # the hybrid whose free half each drafter is
+TAU_GOALS = {"mixed": 2.6, "code_holdout": 3.0}              # the EAGLE-3 head's τ at k = 3
+RATIO = 1.3            # the EAGLE-3 head's τ against the better model-free drafter's, per category of the mixed set
+MFU_GOAL = 0.40        # online training, the target's forward counted
+BOUND_WITHIN = 2.0     # plain decoding at batch 1 within 2× of the memory-bandwidth bound
+BUDGET_S = 1200        # prompts to an evaluated head on one H100
+NEAR = 0.6             # data.synthesize.dedup_threshold's default: word 3-gram Jaccard at which two prompts are one
+DATA_STAGES = ("target", "synthesize", "regenerate", "prepare", "vocab", "code_holdout")
+
+
+# --------------------------------------------------------------------------- the held-out code set
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _shingles(text: str) -> set[str]:
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i:i + 3]) for i in range(max(1, len(words) - 2))} if words else set()
+
+
+def code_holdout(src: Path, exclude: Path, out: Path) -> dict:
+    """``src``'s rows less those whose instruction ``exclude`` repeats exactly or nearly (Jaccard of word 3-grams
+    ≥ NEAR): the instruction is the request, and a training row asking the same thing of other code would make the
+    held-out set partly seen. Writes ``out`` (the kept rows, ``src``'s format) and ``out``.summary.json."""
+    rows, other = json.loads(src.read_text()), json.loads(exclude.read_text())
+    seen = {_norm(r["instruction"]) for r in other}
+    grams = [_shingles(r["instruction"]) for r in other]
+    index: dict[str, set[int]] = defaultdict(set)
+    for i, g in enumerate(grams):
+        for s in g:
+            index[s].add(i)
+    kept, exact, near = [], [], []
+    for r in rows:
+        ins = r["instruction"]
+        if _norm(ins) in seen:
+            exact.append(ins)
+            continue
+        g = _shingles(ins)
+        cands = set().union(*(index[s] for s in g if s in index))
+        if any(len(g & grams[j]) / len(g | grams[j]) >= NEAR for j in cands):
+            near.append(ins)
+            continue
+        kept.append(r)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out, kept)
+    summary = {"name": CODE_SET, "source": src.name, "excluded_against": exclude.name, "source_rows": len(rows),
+               "same_instruction": len(exact), "near_duplicate_instruction": len(near), "near_threshold": NEAR,
+               "kept": len(kept), "dropped": exact + near}
+    write_json_atomic(out.with_suffix(".summary.json"), summary)
+    print(f"{CODE_SET}: {len(kept)} of {len(rows)} {src.name} prompts kept ({len(exact)} with an instruction "
+          f"{exclude.name} has, {len(near)} near-duplicates of one at Jaccard >= {NEAR}) -> {out}")
+    return summary
+
+
+# --------------------------------------------------------------------------- the summary
+
+def versus_free(s: dict) -> dict:
+    """One eval set: the head against the better model-free drafter, overall and per category, and the hybrid of
+    the head with that drafter."""
+    d = s["drafters"]
+    head = d.get("head")
+    free = {k: d[k] for k in FREE if k in d and d[k].get("tau") is not None}
+    out = {"drafters": {k: {"tau": v.get("tau"), "speedup": v.get("speedup"), "k": v.get("k")} for k, v in d.items()},
+           "prompts": s.get("prompts")}
+    if head is None:
+        return out
+    best = max(free, key=lambda k: free[k]["tau"]) if free else None
+    hybrid = d.get(HYBRID_OF[best]) if best else None
+    cats = {}
+    for c, t in (head.get("per_category") or {}).items():
+        taus = {k: (v.get("per_category") or {}).get(c) for k, v in free.items()}
+        taus = {k: v for k, v in taus.items() if v is not None}
+        b = max(taus, key=taus.get) if taus else None
+        cats[c] = {"head": t, **taus, "best_free": b, "ratio": t / taus[b] if b and taus[b] else None}
+    out.update({"k": head.get("k"), "tau": head.get("tau"), "alpha": head.get("alpha"), "speedup": head.get("speedup"),
+                "lossless": head.get("lossless"), "best_free": best,
+                "best_free_tau": free[best]["tau"] if best else None,
+                "ratio": head["tau"] / free[best]["tau"] if best and free[best]["tau"] else None,
+                "hybrid_best": ({"name": HYBRID_OF[best], "tau": hybrid.get("tau"), "speedup": hybrid.get("speedup")}
+                                if hybrid else None),
+                "per_category": cats})
+    return out
+
+
+def flops_per_token(train: dict, rows: dict | None, bandwidth: dict | None) -> dict | None:
+    """Model FLOPs of one trained token of an EAGLE-3 head trained online: bench_train.py's count of the head's step
+    (TTT unroll forward and backward, the frozen lm_head's draft logits and full-vocabulary argmax) at the rows'
+    mean length, plus the target's forward (2 per weight below the lm_head, attention over half the row)."""
+    cfg_d = (train or {}).get("head_config")
+    if not cfg_d or cfg_d.get("kind") != "eagle3" or not rows or not rows.get("rows") or not bandwidth:
+        return None
+    from bench_train import step_flops  # beside this file
+    from specheads.heads import HeadConfig
+
+    cfg = HeadConfig.from_dict(cfg_d)
+    T = max(1, round(rows["tokens"] / rows["rows"]))
+    K = train.get("ttt_steps") or 7
+    head = step_flops(cfg, 1, T, K)["total"] / T
+    w = bandwidth["weights"]
+    body = w["parameters_read"] - cfg.target_vocab_size * cfg.target_hidden_size  # the lm_head is in `head`
+    attn = 2 * 2 * (cfg_d.get("target_num_layers") or 0) * (T / 2) * cfg.num_attention_heads * cfg.head_dim
+    return {"head": head, "target_forward": 2 * body + attn, "total": head + 2 * body + attn, "mean_row_tokens": T,
+            "ttt_steps": K}
+
+
+def head_training(train_dir: Path) -> dict | None:
+    t = training(train_dir)
+    if t is None:
+        return None
+    rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = next((r for r in reversed(rows) if r.get("split") == "train"), None)
+    t["ttt_steps"] = len(last["step_loss"]) if last and last.get("step_loss") else None
+    t["elapsed_s"] = last.get("elapsed_s") if last else None
+    return t
+
+
+def runtime_rows(res: dict | None) -> dict | None:
+    if res is None:
+        return None
+    keep = ("engine", "batch", "drafter", "tau", "tokens_per_s", "decode_tokens_per_s", "speedup", "lossless")
+    serve = ("engine", "batch", "harvest", "drafter", "tau", "tokens_per_s", "speedup", "lossless")
+    return {"device": res.get("device"), "dtype": res.get("dtype"), "k": res.get("k"),
+            "new_tokens": res.get("new_tokens"), "rows": [{k: r.get(k) for k in keep} for r in res.get("rows", [])],
+            "serving": [{k: r.get(k) for k in serve} for r in res.get("serving", [])]}
+
+
+def stage_seconds(stages: dict, kind: str) -> dict:
+    own = [n for n in stages if n in (f"train_{kind}", f"export_{kind}") or n.startswith(f"eval_{kind}_")]
+    names = [n for n in DATA_STAGES if n in stages] + own
+    return {"seconds": sum(stages[n]["seconds"] for n in names), "stages": names,
+            "wall_s": (stages.get(f"prompts_to_eval_{kind}") or {}).get("seconds")}
+
+
+def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None, runtimes: dict) -> dict:
+    data = run / "data"
+    rows = _load(data / "rows" / "summary.json")
+    bandwidth = _load(bandwidth_file)
+    out = {"title": TITLE, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+           "data": {"synthesize": _load(data / "synthesize_summary.json"),
+                    "regenerate": _load(data / "regenerate_summary.json"), "rows": rows},
+           "code_holdout": _load(data / "code_holdout.summary.json"), "eval_sets": SETS,
+           "stages": timeline(timeline_file), "bandwidth": bandwidth, "heads": {}}
+    if isinstance(out["code_holdout"], dict):
+        out["code_holdout"].pop("dropped", None)  # their instructions stay in the .summary.json beside the set
+    for kind in KINDS:
+        h = {"training": head_training(run / f"train_{kind}"), "evals": {},
+             "runtime": runtime_rows(_load(runtimes.get(kind)))}
+        for name in SETS:
+            rep = _load(run / f"eval_{kind}_{name}" / "report.json")
+            h["evals"][name] = versus_free(eval_set(rep)) if rep else "not run"
+        if h["training"] is None and all(v == "not run" for v in h["evals"].values()):
+            out["heads"][kind] = "not run"
+            continue
+        fl = flops_per_token(h["training"], rows, bandwidth)
+        tps = (h["training"] or {}).get("tokens_per_s_median")
+        peak = ((bandwidth or {}).get("matmul_peak") or {}).get("flops_per_s")
+        h["mfu"] = ({"value": tps * fl["total"] / peak, "tokens_per_s": tps, "flops_per_token": fl,
+                     "peak_flops_per_s": peak, "device": bandwidth.get("device")} if fl and tps and peak
+                    else "not measured")
+        h["time"] = stage_seconds(out["stages"], kind)
+        out["heads"][kind] = h
+    return out
+
+
+def merge(summary: dict, earlier: dict, path: Path) -> None:
+    origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine")}
+    for kind, h in (earlier.get("heads") or {}).items():
+        if isinstance(h, dict) and not isinstance(summary["heads"].get(kind), dict):
+            summary["heads"][kind] = h if "carried_over" in h else {"carried_over": origin, **h}
+    if summary.get("bandwidth") is None and earlier.get("bandwidth"):
+        summary["bandwidth"] = {"carried_over": origin, **earlier["bandwidth"]}
+
+
+def _ev(summary: dict, kind: str, name: str):
+    h = summary["heads"].get(kind)
+    e = h["evals"].get(name) if isinstance(h, dict) else None
+    return e if isinstance(e, dict) and e.get("tau") is not None else None
+
+
+def plain_vs_bound(summary: dict) -> dict | None:
+    """Plain decoding at batch 1 beside the bandwidth bound: bandwidth.py's own comparison, or, where it ran without
+    a bench_runtime JSON (another kind's run), the plain row of any head's runtime (plain decoding has no head)."""
+    bw = summary.get("bandwidth") or {}
+    if bw.get("plain") or not bw.get("bound_tokens_per_s"):
+        return bw.get("plain")
+    for kind, h in summary["heads"].items():
+        rt = h.get("runtime") if isinstance(h, dict) else None
+        row = next((r for r in (rt or {}).get("rows", []) if r["drafter"] == "plain" and r["batch"] == 1), None)
+        if row:
+            return {"file": f"bench_runtime_{kind}", "engine": row["engine"], "device": rt["device"],
+                    "dtype": rt["dtype"], "tokens_per_s": row["tokens_per_s"],
+                    "decode_tokens_per_s": row["decode_tokens_per_s"],
+                    "fraction_of_bound": row["decode_tokens_per_s"] / bw["bound_tokens_per_s"]}
+    return None
+
+
+def goals(summary: dict) -> dict:
+    g = {}
+    for name, want in TAU_GOALS.items():
+        e = _ev(summary, "eagle3", name)
+        g[f"eagle3_tau_k3_{name}>={want}"] = "not run" if e is None else {"value": e["tau"], "met": e["tau"] >= want}
+    m = _ev(summary, "eagle3", "mixed")
+    if m is None or not m.get("per_category"):
+        g[f"eagle3_over_best_model_free>={RATIO}_every_category"] = "not run"
+    else:
+        cats = {c: v["ratio"] for c, v in m["per_category"].items()}
+        g[f"eagle3_over_best_model_free>={RATIO}_every_category"] = {
+            "met": all(r is not None and r >= RATIO for r in cats.values()), "ratios": cats,
+            "short": sorted(c for c, r in cats.items() if r is None or r < RATIO)}
+    plain = plain_vs_bound(summary)
+    g[f"plain_batch1_within_{BOUND_WITHIN:g}x_of_bandwidth_bound"] = "not run" if not plain else {
+        "value": plain["decode_tokens_per_s"], "bound": summary["bandwidth"]["bound_tokens_per_s"],
+        "fraction": plain["fraction_of_bound"], "met": plain["fraction_of_bound"] >= 1 / BOUND_WITHIN,
+        "device": summary["bandwidth"].get("device")}
+    h = summary["heads"].get("eagle3")
+    mfu = h.get("mfu") if isinstance(h, dict) else None
+    g[f"online_training_mfu>={MFU_GOAL:.0%}"] = ({"value": mfu["value"], "met": mfu["value"] >= MFU_GOAL,
+                                                  "device": mfu.get("device")}
+                                                 if isinstance(mfu, dict) else "not measured")
+    t = (h.get("time") or {}).get("seconds") if isinstance(h, dict) else None
+    done = isinstance(h, dict) and all(isinstance(v, dict) for v in h["evals"].values())
+    g[f"prompts_to_evaluated_head<={BUDGET_S}s"] = ({"value": t, "met": t <= BUDGET_S,
+                                                      "device": summary["machine"].get("gpu", "cpu")} if t and done
+                                                     else "not run (some stage missing)")
+    return g
+
+
+def _f(x, fmt="{:.2f}"):
+    return "–" if x is None else fmt.format(x)
+
+
+def markdown(s: dict) -> str:
+    lines = [f"### {s['title']}", "",
+             "| head | eval set | k | τ head | n-gram | suffix | hybrid n-gram | hybrid suffix | head ÷ best free | "
+             "speedup | lossless |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for kind, h in s["heads"].items():
+        if not isinstance(h, dict):
+            lines.append(f"| {kind} | not run | | | | | | | | | |")
+            continue
+        if "carried_over" in h:
+            kind = f"{kind} (from {h['carried_over'].get('date')})"
+        for name, e in h["evals"].items():
+            if not isinstance(e, dict) or e.get("tau") is None:
+                lines.append(f"| {kind} | {name}: not run | | | | | | | | | |")
+                continue
+            d = e["drafters"]
+            tau = lambda k: _f((d.get(k) or {}).get("tau"))  # noqa: E731
+            ll = e.get("lossless") or {}
+            lines.append(f"| {kind} | {name} | {e['k']} | {e['tau']:.2f} | {tau('ngram')} | {tau('suffix')} | "
+                         f"{tau('hybrid')} | {tau('hybrid_suffix')} | {_f(e['ratio'])}× ({e['best_free']}) | "
+                         f"{_f(e['speedup'])}× | {ll.get('identical')}/{ll.get('total')} |")
+    ch = s.get("code_holdout")
+    if ch:
+        lines += ["", f"Held-out code set `{ch['name']}`: {ch['kept']} of {ch['source_rows']} {ch['source']} prompts "
+                  f"({ch['same_instruction']} with an instruction {ch['excluded_against']} has and "
+                  f"{ch['near_duplicate_instruction']} near-duplicates of one, word 3-gram Jaccard ≥ "
+                  f"{ch['near_threshold']}, left out)."]
+    bw = s.get("bandwidth")
+    if bw:
+        p = plain_vs_bound(s)
+        lines += ["", f"Memory-bandwidth bound at batch 1: {bw['bound_tokens_per_s']:,.0f} tok/s "
+                  f"({bw['copy']['bytes_per_s'] / 1e9:,.0f} GB/s device copy ÷ {bw['weights']['bytes'] / 1e9:.2f} GB "
+                  f"of {bw['weights']['dtype']} weights, {bw['device']}); plain decoding "
+                  + (f"{p['decode_tokens_per_s']:,.0f} tok/s after the prefill = {p['fraction_of_bound']:.2f} of it."
+                     if p else "not measured (RUNTIME=1).")]
+    for kind, h in s["heads"].items():
+        if isinstance(h, dict) and isinstance(h.get("mfu"), dict):
+            m = h["mfu"]
+            lines.append(f"\n{kind} online training: {m['tokens_per_s']:,.0f} tok/s × "
+                         f"{m['flops_per_token']['total'] / 1e9:.2f} GFLOP a token (target forward "
+                         f"{m['flops_per_token']['target_forward'] / 1e9:.2f}) = MFU {m['value']:.1%} of "
+                         f"{m['peak_flops_per_s'] / 1e12:.3g} TFLOP/s ({m.get('device')}).")
+        if isinstance(h, dict) and h.get("time"):
+            lines.append(f"\n{kind}: prompts → evaluated head {h['time']['seconds']} s, the sum of its stages "
+                         f"({', '.join(h['time']['stages'])}).")
+    lines += ["", "Goals:", ""]
+    for name, v in s["goals"].items():
+        lines.append(f"- {name}: " + (v if isinstance(v, str) else
+                                      f"{'met' if v['met'] else 'missed'}"
+                                      + (f" ({_f(v['value'], '{:.3g}')})" if v.get("value") is not None else "")
+                                      + (f", on {v['device']}" if v.get("device") else "")
+                                      + (f", short: {', '.join(v['short'])}" if v.get("short") else "")))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("code-holdout", help="write the held-out code eval set")
+    c.add_argument("--src", type=Path, required=True)
+    c.add_argument("--exclude", type=Path, required=True)
+    c.add_argument("--out", type=Path, required=True)
+    s = sub.add_parser("summary", help="the run's summary JSON (and Markdown)")
+    s.add_argument("--run", type=Path, required=True, help="the recipes' run_dir")
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--md", type=Path)
+    s.add_argument("--timeline", type=Path)
+    s.add_argument("--bandwidth", type=Path, help="bandwidth.py's JSON")
+    s.add_argument("--runtime", action="append", default=[], metavar="KIND=FILE", help="bench_runtime.py's JSON")
+    s.add_argument("--merge", type=Path, action="append", default=[], metavar="SUMMARY",
+                   help="an earlier summary: the heads this run did not train")
+    a = ap.parse_args(argv)
+    if a.cmd == "code-holdout":
+        return code_holdout(a.src, a.exclude, a.out)
+    runtimes = dict(spec.split("=", 1) for spec in a.runtime)
+    summary = summarize(a.run, a.timeline, a.bandwidth, {k: Path(v) for k, v in runtimes.items()})
+    for path in a.merge:
+        earlier = _load(path)
+        if earlier is None:
+            ap.error(f"--merge {path}: no such file")
+        merge(summary, earlier, path)
+    summary["goals"] = goals(summary)
+    summary = relative(summary, a.run)
+    write_json_atomic(a.out, summary)
+    if a.md:
+        a.md.write_text(markdown(summary))
+    for name, v in summary["goals"].items():
+        print(f"goal {name}: {v if isinstance(v, str) else ('met' if v['met'] else 'missed')}")
+    print(f"wrote {a.out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
