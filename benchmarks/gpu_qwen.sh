@@ -26,7 +26,10 @@
 # Environment: KIND=eagle3|peagle|dflash (the recipe recipes/qwen2.5_coder_1.5b_KIND.yaml; default eagle3), RUNTIME=1,
 # SERVE (requests served, default 64), PROMPTS / GSM8K / EPOCHS (the synthesized prompts, gsm8k rows and training
 # epochs, to retune the budget once a run has measured its rates; give every kind the same PROMPTS and GSM8K, or its
-# data differs), SETS (the eval sets, default "mixed vicuna gsm8k_holdout code_holdout"), MERGE="F ..." (earlier
+# data differs), TRAIN_MINUTES (train.max_minutes: the training loop's wall-clock budget, its last step re-planned
+# from the measured rate and the LR decayed by it; EPOCHS is then the most it trains), EVAL_LIMIT (prompts of each
+# eval set, instead of all of the mixed set and 80 / 64 / 64 of the others), BATCHES (default 1,8,32), SETS (the
+# eval sets, default "mixed vicuna gsm8k_holdout code_holdout"), MERGE="F ..." (earlier
 # summaries whose heads join this one's), EXTRA_OV (more overrides for every stage),
 # SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every count tiny).
 # Run from the repository root with the project installed. Every stage resumes: a second run after a kill skips the
@@ -48,10 +51,12 @@ OV=(run_dir=$RUN target.device=$DEVICE "${TARGET_OV[@]}" "data.sources.0.path=$D
 [ -n "${GSM8K:-}" ] && OV+=(data.sources.0.limit=$GSM8K)
 # TOV: the overrides of the head's own stages, kept out of the data stages' commands (a change re-runs only those)
 TOV=(); [ -n "${EPOCHS:-}" ] && TOV+=(train.epochs=$EPOCHS)
+[ -n "${TRAIN_MINUTES:-}" ] && TOV+=(train.max_minutes=$TRAIN_MINUTES)
 TD=$RUN/train_$KIND; ED=$RUN/export_$KIND
 K=3; [ $KIND = peagle ] && K=4; [ $KIND = dflash ] && K=15
 SETS=${SETS:-mixed vicuna gsm8k_holdout code_holdout}; ML=null; VL=80; GL=64; CL=64
-NEW=128; BATCHES=1,8,32; ENGINES=compiled; REPEAT=${REPEAT:-3}; LIMIT_TRAIN=1800; GIB=2
+[ -n "${EVAL_LIMIT:-}" ] && { ML=$EVAL_LIMIT; VL=$EVAL_LIMIT; GL=$EVAL_LIMIT; CL=$EVAL_LIMIT; }
+NEW=128; BATCHES=${BATCHES:-1,8,32}; ENGINES=compiled; REPEAT=${REPEAT:-3}; LIMIT_TRAIN=1800; GIB=2
 if [ -n "${SMALL:-}" ]; then
   # a handful of prompts and tokens: the 1.5B target in fp32 decodes about a token a second on a small CPU
   OV+=(data.synthesize.num_prompts=3 data.synthesize.batch_size=3 data.synthesize.max_new_tokens=40

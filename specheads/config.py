@@ -294,6 +294,9 @@ class TrainConfig(_Section):
     dflash_gamma: float = Field(4.0, gt=0.0)  # DFlash: block slot j's loss weight exp(-(j-1)/gamma)
     epochs: float = Field(1.0, gt=0.0)  # passes over the train rows (fractional: a part of one)
     max_steps: int | None = Field(None, ge=1)  # optimizer steps; wins over epochs
+    # a wall-clock budget for the loop's steps: the run re-plans its last step from the measured rate (never past
+    # epochs / max_steps) and the LR schedule decays by it (specheads/train/budget.py); null: no budget
+    max_minutes: float | None = Field(None, gt=0.0)
     micro_batch_size: int = Field(1, ge=1)
     grad_accum: int = Field(1, ge=1)
     max_tokens_per_batch: int | None = Field(None, ge=1)  # micro-batch = rows up to this many padded tokens

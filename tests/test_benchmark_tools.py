@@ -2,6 +2,7 @@
 reference run's summary and sweep, run-relative paths in result files, and the GPU scripts' arguments."""
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,38 @@ def test_gpu_scripts_refuse_a_missing_gguf(tmp_path, script):
         out = subprocess.run(["bash", str(REPO / "benchmarks" / script), "", str(tmp_path / "nodata"),
                               str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "no prompt folder" in out.stderr
+
+
+def test_gpu_qwen_refuses_missing_inputs_before_any_stage(tmp_path):
+    """gpu_qwen.sh names every missing data file, a missing GGUF source, a parts folder lacking parts and a joined
+    file of the wrong sha256, each with exit 2 and before a stage runs (no timeline is written)."""
+    import subprocess
+
+    def run(src, data, env=None):
+        return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_qwen.sh"), str(src), str(data),
+                               str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **(env or {})})
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k_train.jsonl").write_text("")
+    out = run(tmp_path / "parts", data)
+    assert out.returncode == 2
+    assert "new_codealpaca.json code_alpaca_2k.json vicuna_bench_questions.jsonl" in out.stderr
+    for f in ("new_codealpaca.json", "code_alpaca_2k.json", "vicuna_bench_questions.jsonl"):
+        (data / f).write_text("")
+    out = run(tmp_path / "parts", data)
+    assert out.returncode == 2 and "GGUF parts folder or file not found" in out.stderr
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "part01.bin").write_bytes(b"GGUF")
+    out = run(parts, data)
+    assert out.returncode == 2 and "part" in out.stderr and "22" in out.stderr, out.stderr
+    joined = tmp_path / "joined.gguf"
+    joined.write_bytes(b"GGUF" + b"\0" * 64)
+    out = run(joined, data)
+    assert out.returncode == 2 and "sha256" in out.stderr, out.stderr
+    assert not (tmp_path / "o" / "timeline.txt").exists()
 
 
 def test_gpu_scripts_name_no_machine_paths():

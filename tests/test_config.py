@@ -6,14 +6,21 @@ from specheads.config import RecipeError, load_recipe
 from specheads.layer_ids import check_layer_ids, default_eagle3_layer_ids, hf_to_output_index, output_to_hf_index
 from specheads.rundir import RunDir, recipe_hash
 
-RECIPES = ["recipes/smollm2_eagle3.yaml", "recipes/llama8b_eagle3.yaml", "recipes/qwen3_8b_eagle3.yaml",
-           "recipes/qwen2.5_coder_1.5b_eagle3.yaml"]
+RECIPES = sorted(str(p.relative_to(Path(__file__).parents[1]))
+                 for p in (Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+
+
+def test_every_head_kind_has_a_shipped_recipe():
+    assert {Path(p).stem.split("_")[-1] if not p.endswith("_gpu.yaml") else Path(p).stem.split("_")[-2]
+            for p in RECIPES} >= {"eagle3", "peagle", "dflash"}
 
 
 @pytest.mark.parametrize("path", RECIPES)
 def test_shipped_recipes_validate(path):
     r = load_recipe(path)
-    assert r.head.kind == "eagle3"
+    # the file names its head kind: ..._eagle3.yaml, ..._peagle_gpu.yaml
+    stem = Path(path).stem.removesuffix("_gpu")
+    assert stem.endswith("_" + r.head.kind), (path, r.head.kind)
 
 
 def test_overrides_win_and_parse_types():

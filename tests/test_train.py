@@ -484,3 +484,53 @@ def test_deepspeed_logs_go_above_the_progress_bar(capsys):
         ds_logger.handlers = saved
     out = capsys.readouterr()
     assert "a DeepSpeed warning\n" in out.out and "train eagle3" in out.err
+
+
+# ---------------------------------------------------------------- train.max_minutes
+class _Clock:
+    """A clock that advances a fixed step on each reading: the loop reads it once a step (``spent``)."""
+
+    def __init__(self, tick=1.0):
+        self.t, self.tick = 0.0, tick
+
+    def __call__(self):
+        self.t += self.tick
+        return self.t
+
+
+def test_time_budget_replans_from_the_measured_rate():
+    from specheads.train.budget import TimeBudget
+    from specheads.train.engine import LRLambda
+
+    sched = LRLambda(100, 5, "cosine", 0.1)
+    clock = _Clock(0.0)
+    b = TimeBudget(1.0, 100, sched, 0, "cpu", clock=clock)
+    clock.t = 10.0
+    assert b.plan(10, 100) == 100  # the first window (compilation) is not a rate
+    clock.t = 20.0  # 1 s a step: 40 s left fit 40 more steps
+    assert b.plan(20, 100) == 60 and sched.total == 60
+    clock.t = 25.0  # faster now (0.5 s a step): 35 s left fit 70 more, but never past the recipe's 100
+    assert b.plan(30, 60) == 100 and sched.total == 100
+    clock.t = 59.0
+    assert not b.spent()
+    clock.t = 60.0
+    assert b.spent()
+    assert [r["total"] for r in b.summary(30)["replans"]] == [60, 100]
+
+
+def test_max_minutes_ends_the_run_with_the_schedule_decayed(target, vocab, tmp_path, monkeypatch):
+    import specheads.train.loop as loop
+    from specheads.train.budget import TimeBudget
+
+    clock = _Clock(1.0)
+    monkeypatch.setattr(loop, "TimeBudget", lambda *a, **kw: TimeBudget(*a, **kw, clock=clock))
+    r = make_recipe(tmp_path, max_steps=400, max_minutes=0.5, warmup_steps=2, scheduler="cosine", min_lr_ratio=0.1)
+    s = run_train(r, target=target, feed=SyntheticFeed(target), vocab=vocab, progress=False)
+    tb = s["time_budget"]
+    assert tb["planned_steps"] == 400 and tb["replans"]
+    assert 10 < s["steps"] < 40 and s["total_steps"] == s["steps"]  # about 30 ticks of the clock
+    rows = [m for m in read_metrics(s["metrics"]) if m["split"] == "train"]
+    assert rows[-1]["step"] == s["steps"]
+    assert rows[-1]["lr"] < 0.3 * 3e-3  # the LR decayed by the new last step, not cut at its peak
+    _, meta = load_trained_head(tmp_path)
+    assert meta["step"] == s["steps"]

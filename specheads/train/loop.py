@@ -43,6 +43,7 @@ from specheads.rundir import (RunDir, check_stage_inputs, client_state, compare_
 from specheads.target import load_target_for
 
 from . import checkpoint as ckpt
+from .budget import TimeBudget
 from .builder import DRAFT_VOCAB_KINDS, BuiltHead, build_head, target_weights
 from .engine import (LRLambda, deepspeed_config, device_for, distributed, effective_precision, gathered, initialize,
                      say, total_steps)
@@ -371,6 +372,17 @@ def _resume(run: Run) -> int | None:
     return step
 
 
+def _replan(run: Run, budget: TimeBudget, step: int, pbar) -> int:
+    total = budget.plan(step, run.total)
+    if total != run.total:
+        say(f"train.max_minutes={run.recipe.train.max_minutes:g}: the run now ends at step {total} "
+            f"(planned {budget.planned_total}); the LR schedule decays by then", run.rank)
+        if pbar is not None:
+            pbar.total = total
+            pbar.refresh()
+    return total
+
+
 def _log_train(run: Run, step: int, epoch: int, win: Window, gn, lr: float, t_window: float, pbar) -> float:
     """Log the ``train`` row of the window ending at ``step``; returns its loss."""
     now = time.time()
@@ -471,6 +483,8 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
     if resume_step is None:
         last_eval = run.evaluate(0)  # the untrained baseline
     profiler = StepProfiler(tcfg.profile_steps, run.device, run.train_dir, run.rank)
+    budget = (TimeBudget(tcfg.max_minutes, run.total, run.scheduler.lr_lambdas[0], step, run.device)
+              if tcfg.max_minutes else None)
     t_loop = time.time()  # tokens/s counts the training loop (as the progress bar does), not set-up
     try:
         with _progress_bar(run, step, progress) as pbar:
@@ -480,10 +494,16 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
                 step += 1
                 profiler.after(step, last=step == run.total)
                 tokens_total += win.tokens
+                if budget is not None and budget.spent():
+                    say(f"train.max_minutes={tcfg.max_minutes:g} spent: the run ends at step {step} of {run.total}",
+                        run.rank)
+                    run.total = step
                 if step % run.logger.every == 0 or step == run.total:
                     losses.append(_log_train(run, step, batches.epoch, win, gn, lr, t_window, pbar))
                     win = Window(run.K, run.device)
                     t_window = time.time()
+                    if budget is not None and step < run.total:
+                        run.total = _replan(run, budget, step, pbar)
                 if pbar is not None:
                     pbar.update(1)
                 if tcfg.eval_every and step % tcfg.eval_every == 0 and step < run.total:
@@ -519,6 +539,7 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
         "precision": run.precision, "world_size": run.world, "epochs_seen": batches.epoch + 1,
         "state_memory_gib": run.state_bytes / 2 ** 30 if run.state_bytes is not None else None,
         "profile": profiler.written,
+        "time_budget": budget.summary(step) if budget is not None else None,
         # token-budget feeds: padded token slots the step computes and throws away (rows × longest row, or the
         # bucket's shape); a feed of fixed row counts may come from a store that does not list its row lengths
         "padding_fraction": run.feed.padding_fraction(0) if getattr(run.feed, "max_tokens", None) else None,
