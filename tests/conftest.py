@@ -25,6 +25,21 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="module")
+def target():
+    """The trainer tests' tiny random target (synthetic_target.tiny_target)."""
+    from synthetic_target import tiny_target
+
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def vocab(target):
+    from synthetic_target import DRAFT_VOCAB, synthetic_vocab
+
+    return synthetic_vocab(target, DRAFT_VOCAB)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The bundled SmolLM2-135M-Instruct target, loaded once per test session (fp32, CPU)."""

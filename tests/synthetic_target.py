@@ -114,3 +114,18 @@ def synthetic_vocab(target, draft_vocab_size: int, seed: int = 0):
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
     return d2t, t2d, {"draft_vocab_size": draft_vocab_size, "target_vocab_size": V, "synthetic": True}
+
+
+DRAFT_VOCAB = 128  # the draft vocabulary of the trainer tests' tiny target (256 tokens)
+TRAIN_DEFAULTS = {"ttt_steps": 2, "max_steps": 30, "lr": 3e-3, "warmup_steps": 2, "save_every": 1000,
+                  "eval_every": 1000, "precision": "fp32", "loss_kernel": "torch", "logging": {"wandb": "disabled"}}
+
+
+def tiny_recipe(run_dir, head: dict | None = None, **train):
+    """A training recipe for ``tiny_target``: an EAGLE-3 head on layers 1-3 unless ``head`` says otherwise,
+    ``TRAIN_DEFAULTS`` under the given ``train`` fields."""
+    from specheads.config import recipe_from_dict
+
+    head = head or {"kind": "eagle3", "aux_layer_ids": [1, 2, 3]}
+    return recipe_from_dict({"run_dir": str(run_dir), "seed": 0, "head": head,
+                             "vocab": {"draft_vocab_size": DRAFT_VOCAB}, "train": {**TRAIN_DEFAULTS, **train}})

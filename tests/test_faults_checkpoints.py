@@ -17,29 +17,14 @@ from specheads.rundir import ResumeMismatchError
 from specheads.train import TrainingDivergedError, run_train
 from specheads.train.checkpoint import CheckpointError, PreviousRunError
 from specheads.train.run_log import read_metrics
-from synthetic_target import SyntheticFeed, synthetic_vocab, tiny_target
+from synthetic_target import SyntheticFeed, tiny_recipe, tiny_target
 
-VD = 128
 STEPS, EVERY = 8, 4
 KW = dict(max_steps=STEPS, save_every=EVERY, scheduler="cosine", warmup_steps=2)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def vocab(target):
-    return synthetic_vocab(target, VD)
-
-
 def make_recipe(run_dir, **train):
-    t = {"ttt_steps": 2, "max_steps": 30, "lr": 3e-3, "warmup_steps": 2, "save_every": 1000, "eval_every": 1000,
-         "precision": "fp32", "loss_kernel": "torch", "logging": {"wandb": "disabled"}}
-    t.update(train)
-    return recipe_from_dict({"run_dir": str(run_dir), "seed": 0, "head": {"kind": "eagle3", "aux_layer_ids": [1, 2, 3]},
-                             "vocab": {"draft_vocab_size": VD}, "train": t})
+    return tiny_recipe(run_dir, **train)
 
 
 def train(run_dir, target, vocab, **kw):

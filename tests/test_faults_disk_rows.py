@@ -17,7 +17,7 @@ from specheads.data.prepare import CHECKSUMS_FILE, RowsCorruptError, load_rows, 
 from specheads.errors import SpecheadsError
 from specheads.fileio import DiskFullError, disk_full_guard, is_disk_full
 from specheads.rundir import RunDir, stage_inputs
-from synthetic_target import SyntheticFeed, synthetic_vocab, tiny_target
+from synthetic_target import SyntheticFeed, tiny_recipe
 
 torch.set_num_threads(1)
 
@@ -203,25 +203,10 @@ def test_regenerate_append_on_a_full_quota_is_clean(tmp_path):
 
 
 # ---------------------------------------------------------------- train
-VD = 128
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def vocab(target):
-    return synthetic_vocab(target, VD)
 
 
 def train_recipe(run_dir, **train):
-    t = {"ttt_steps": 2, "max_steps": 8, "lr": 3e-3, "warmup_steps": 2, "save_every": 4, "eval_every": 1000,
-         "precision": "fp32", "loss_kernel": "torch", "logging": {"wandb": "disabled"}}
-    t.update(train)
-    return recipe_from_dict({"run_dir": str(run_dir), "seed": 0, "head": {"kind": "eagle3", "aux_layer_ids": [1, 2, 3]},
-                             "vocab": {"draft_vocab_size": VD}, "train": t})
+    return tiny_recipe(run_dir, **{"max_steps": 8, "save_every": 4, **train})
 
 
 def train(run_dir, target, vocab, **kw):

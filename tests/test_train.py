@@ -14,28 +14,13 @@ from specheads.rundir import ResumeMismatchError, RunDir
 from specheads.train import BatchError, HeadShapeError, TrainingDivergedError, build_head, run_train
 from specheads.train.losses import TargetLogits, TargetView, counted_positions, distill_step, simulated_tau
 from specheads.train.run_log import read_metrics
-from synthetic_target import SyntheticFeed, synthetic_vocab, tiny_target
+from synthetic_target import DRAFT_VOCAB as VD, SyntheticFeed, synthetic_vocab, tiny_recipe, tiny_target
 
-VD = 128
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def vocab(target):
-    return synthetic_vocab(target, VD)
 
 
 def make_recipe(run_dir, kind="eagle3", **train):
-    t = {"ttt_steps": 3, "max_steps": 30, "lr": 3e-3, "warmup_steps": 2, "save_every": 1000, "eval_every": 1000,
-         "precision": "bf16", "loss_kernel": "torch", "logging": {"wandb": "disabled"}}
-    t.update(train)
     head = {"kind": kind, "aux_layer_ids": [1, 2, 3] if kind == "eagle3" else None, "num_mtp_depths": 2}
-    return recipe_from_dict({"run_dir": str(run_dir), "seed": 0, "head": head, "vocab": {"draft_vocab_size": VD},
-                             "train": t})
+    return tiny_recipe(run_dir, head, **{"ttt_steps": 3, "precision": "bf16", **train})
 
 
 # ---------------------------------------------------------------- alignment (no DeepSpeed)

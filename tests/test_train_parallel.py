@@ -14,28 +14,13 @@ from specheads.train.losses import TargetLogits, counted_positions
 from specheads.train.parallel_losses import (batch_generator, cod_sample, dflash_anchors, dflash_loss,
                                              dflash_weights, peagle_loss)
 from specheads.train.run_log import read_metrics
-from synthetic_target import SyntheticFeed, synthetic_vocab, tiny_target
+from synthetic_target import DRAFT_VOCAB as VD, SyntheticFeed, tiny_recipe, tiny_target
 
-VD = 128
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-@pytest.fixture(scope="module")
-def vocab(target):
-    return synthetic_vocab(target, VD)
 
 
 def make_recipe(run_dir, kind, **train):
-    t = {"max_steps": 30, "lr": 3e-3, "warmup_steps": 2, "save_every": 1000, "eval_every": 1000,
-         "precision": "bf16", "loss_kernel": "torch", "logging": {"wandb": "disabled"}, "dflash_anchors": 8}
-    t.update(train)
     head = {"kind": kind, "aux_layer_ids": [1, 2, 3], "num_layers": 2, "num_depths": 3, "block_size": 4}
-    return recipe_from_dict({"run_dir": str(run_dir), "seed": 0, "head": head, "vocab": {"draft_vocab_size": VD},
-                             "train": t})
+    return tiny_recipe(run_dir, head, **{"ttt_steps": 7, "precision": "bf16", "dflash_anchors": 8, **train})
 
 
 def test_default_dflash_layers_are_the_published_ones():
