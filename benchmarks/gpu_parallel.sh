@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The parallel drafters beside EAGLE-3 on one GPU, all on the same rows of the SmolLM2 reference data:
 #   1. the reference recipe's data stages and dump (gpu_reference.sh with STOP_AFTER_DUMP=1; a run that has them
-#      goes straight on)
+#      goes straight on; no dump when KINDS is DFlash alone)
 #   2. EAGLE-3, P-EAGLE and DFlash trained on the same FRACTION of the rows for EPOCHS (DFlash online: it reads five
 #      other layers than the dump holds), each with its recipe beside smollm2_eagle3_gpu.yaml
 #   3. each exported, then evaluated on the mixed set and Vicuna beside n-gram: EAGLE-3 and P-EAGLE at k = K
@@ -39,10 +39,15 @@ summary() { python3 benchmarks/parallel_summary.py "$P" --timeline "$OUT/timelin
   --md "$OUT/parallel.md" >> "$OUT/log.txt" 2>&1; }
 
 # 1. the data stages and the dump, exactly as the reference run makes them (same overrides, same RUN)
-if [ ! -f "$RUN/dump/manifest.json" ]; then
+#    (no dump when every head of KINDS trains online: DFlash reads other layers than the dump holds)
+OFFLINE=$(printf '%s\n' $KINDS | grep -vx dflash)
+if [ -n "$OFFLINE" ] && [ ! -f "$RUN/dump/manifest.json" ]; then
   STOP_AFTER_DUMP=1 RUN=$RUN bash "$(dirname "$0")/gpu_reference.sh" "$GGUF" "$DATA" "$OUT" || { log "data stages failed"; exit 1; }
+elif [ -z "$OFFLINE" ] && [ ! -f "$RUN/vocab/vocab.json" ]; then
+  STOP_BEFORE_DUMP=1 RUN=$RUN bash "$(dirname "$0")/gpu_reference.sh" "$GGUF" "$DATA" "$OUT" || { log "data stages failed"; exit 1; }
 fi
-OV+=(dump.dtype=$(python3 -c "import json; print(json.load(open('$RUN/dump/manifest.json'))['dtype'])"))
+[ -f "$RUN/dump/manifest.json" ] && \
+  OV+=(dump.dtype=$(python3 -c "import json; print(json.load(open('$RUN/dump/manifest.json'))['dtype'])"))
 
 # 2-3. each head: train, export, evaluate
 for kind in $KINDS; do

@@ -100,6 +100,8 @@ df -h . "$OUT" 2>/dev/null | tee -a "$OUT/timeline.txt"
 SW=$RUN/sweep
 stage synthesize $S data synthesize $R "${OV[@]}" && stage regenerate $S data regenerate $R "${OV[@]}" && \
 stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}" || { summary; log done; exit 1; }
+# STOP_BEFORE_DUMP=1: the data stages alone (gpu_parallel.sh when every head it trains reads the target online)
+[ -n "${STOP_BEFORE_DUMP:-}" ] && { log done; exit 0; }
 # bf16 states take 4.6 kB a token here; fp8 about half: the store must leave DISK_MARGIN_GB for checkpoints
 DUMP_DTYPE=$(python3 -c "
 import json, shutil, sys
