@@ -7,6 +7,8 @@
 #   3. train KIND online (the target inside the trainer: no dump) -> export
 #   4. eval on the mixed set, Vicuna, held-back gsm8k and the held-out code set, the head beside n-gram, suffix
 #      decoding and the head's hybrid with each -> OUT/qwen2.5_coder_1.5b.json and .md (benchmarks/qwen_summary.py)
+#   1b. RUNTIME=1, right after the target: bench_runtime of plain, n-gram and suffix decoding at batch 1, 8 and 32 and
+#      served, and bandwidth.py (6): the figures that need no head come first
 #   5. RUNTIME=1: bench_runtime at batch 1, 8 and 32 with the head (compiled engine, CUDA graphs) and SERVE requests
 #      served with continuous batching
 #   6. bandwidth.py: the device's copy bandwidth and the bf16 weights' bytes -> plain decoding's bound at batch 1,
@@ -113,6 +115,25 @@ df -h "$OUT" 2>/dev/null | tail -1 | tee -a "$OUT/timeline.txt"
 # 1. join (or check) and de-quantise the target once: its own line in the timeline, not hidden in synthesize's
 stage target python3 -c "import sys; from specheads.config import load_recipe; from specheads.target import \
 load_target_for; load_target_for(load_recipe(sys.argv[1], sys.argv[2:]), device='cpu')" $RD "${OV[@]}" || exit 1
+# the name the joined file goes by in the GGUF cache, or the joined file's path
+TGT=$(python3 -c "import sys; from specheads.config import load_recipe; \
+print(load_recipe(sys.argv[1], sys.argv[2:]).target.source)" $RD "${OV[@]}")
+# plain decoding has no head: the latest runtime JSON with a plain row at batch 1 serves
+bandwidth() { local rtj; rtj=$(ls -t "$OUT"/bench_runtime_*.json 2>/dev/null | head -1)
+  measure bandwidth python3 benchmarks/bandwidth.py --target "$TGT" --device $DEVICE --gib $GIB \
+    ${rtj:+--bench-runtime "$rtj"} --out "$OUT/bandwidth.json"
+  grep -E "^(device copy|plain decoding|matmul peak)" "$OUT/log.txt" | tail -3 | tee -a "$OUT/timeline.txt"; }
+# 1b. RUNTIME=1: plain, n-gram and suffix decoding first (k 3), and plain beside the memory-bandwidth bound: none of
+#     it needs a head, so a run cut short in its data stages or training still has them. Once per OUT.
+FREE_S=0
+if [ -n "${RUNTIME:-}" ] && [ ! -f "$OUT/bench_runtime_model_free.json" ]; then
+  t_free=$(date +%s)
+  LIMIT=600 measure runtime_model_free python3 benchmarks/bench_runtime.py --target "$TGT" --device $DEVICE \
+    --cuda-graphs --batches $BATCHES --new-tokens $NEW --k 3 --engines $ENGINES --drafters plain,ngram,suffix \
+    --repeat $REPEAT --serve ${SERVE:-64} --out "$OUT/bench_runtime_model_free.json"
+  bandwidth; summary
+  FREE_S=$(( $(date +%s) - t_free ))   # not part of "prompts to an evaluated head"
+fi
 # 2. the data stages (the EAGLE-3 recipe's for every kind) and the held-out code set
 stage synthesize $S data synthesize $RD "${OV[@]}" && stage regenerate $S data regenerate $RD "${OV[@]}" && \
 stage prepare $S data prepare $RD "${OV[@]}" && stage vocab $S vocab $RD "${OV[@]}" && \
@@ -136,23 +157,18 @@ for set in $SETS; do
   summary
 done
 # the wall time of a run that did every stage itself (a resumed one's stages are in the summary's sum)
-[ -z "$SKIPPED" ] && log "end prompts_to_eval_$KIND rc=0 $(( $(date +%s) - T0 ))s (wall time, prompts to the last eval)"
+[ -z "$SKIPPED" ] && log "end prompts_to_eval_$KIND rc=0 $(( $(date +%s) - T0 - FREE_S ))s (wall time, prompts to the \
+last eval, less the model-free runtime's ${FREE_S}s)"
 
-# 5-6. decode speed with the head, then plain decoding beside its memory-bandwidth bound
-# the name the joined file goes by in the GGUF cache, or the joined file's path
-TGT=$(python3 -c "import sys; from specheads.config import load_recipe; \
-print(load_recipe(sys.argv[1], sys.argv[2:]).target.source)" $RD "${OV[@]}")
+# 5-6. decode speed with the head (plain again: the speedups compare within one run; n-gram and suffix are in the
+#      model-free run), then plain decoding beside its memory-bandwidth bound once more
 if [ -n "${RUNTIME:-}" ]; then
   LIMIT=600 measure runtime_$KIND python3 benchmarks/bench_runtime.py --target "$TGT" --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head "$ED" --k $K --engines $ENGINES \
-    --drafters ${RUNTIME_DRAFTERS:-plain,ngram,suffix,head,hybrid_suffix} --repeat $REPEAT --serve ${SERVE:-64} \
+    --drafters ${RUNTIME_DRAFTERS:-plain,head,hybrid,hybrid_suffix} --repeat $REPEAT --serve ${SERVE:-64} \
     --out "$OUT/bench_runtime_$KIND.json"
 fi
-# plain decoding has no head: another kind's runtime JSON serves where this kind's is missing
-RTJ=$OUT/bench_runtime_$KIND.json; [ -f "$RTJ" ] || RTJ=$(ls -t "$OUT"/bench_runtime_*.json 2>/dev/null | head -1)
-measure bandwidth python3 benchmarks/bandwidth.py --target "$TGT" --device $DEVICE --gib $GIB \
-  ${RTJ:+--bench-runtime "$RTJ"} --out "$OUT/bandwidth.json"
-grep -E "^(device copy|plain decoding|matmul peak)" "$OUT/log.txt" | tail -3 | tee -a "$OUT/timeline.txt"
+bandwidth
 summary; trap - EXIT
 grep -E "^goal " "$OUT/log.txt" | tail -6 | tee -a "$OUT/timeline.txt"
 log done

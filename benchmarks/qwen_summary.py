@@ -7,10 +7,11 @@ train on (new_codealpaca.json), with the counts beside it (``.summary.json``).
 
 ``summary`` reads what the stages wrote (nothing is re-measured here): per head kind (``eagle3``, ``peagle``,
 ``dflash``) the eval reports ``RUN/eval_{kind}_{set}/report.json`` and the training metrics
-``RUN/train_{kind}/metrics.jsonl``; ``bench_runtime`` JSONs (``--runtime KIND=F``), ``bandwidth.py``'s JSON and the
-script's timeline. Per head and eval set: τ of the head, n-gram, suffix decoding and the two hybrids, the head
+``RUN/train_{kind}/metrics.jsonl``; ``bench_runtime`` JSONs (``--runtime KIND=F``; ``model_free=F``: plain, n-gram and
+suffix decoding without a head), ``bandwidth.py``'s JSON and the script's timeline. Per head and eval set: τ of the head, n-gram, suffix decoding and the two hybrids, the head
 against the better model-free drafter (overall and per category), and the hybrid that pairs the head with that
-one; the goals judged on what was measured (anything not run is said so). ``--merge F`` fills the heads this run
+one; decode speed per batch size, static and served; the goals judged on what was measured (anything not run is
+said so). ``--merge F`` fills the heads this run
 did not train from an earlier summary (each head kind is a run of its own), marked ``carried_over``.
 
     python benchmarks/qwen_summary.py code-holdout --src DATA/code_alpaca_2k.json \\
@@ -51,6 +52,8 @@ RATIO = 1.3            # the EAGLE-3 head's τ against the better model-free dra
 MFU_GOAL = 0.40        # online training, the target's forward counted
 BOUND_WITHIN = 2.0     # plain decoding at batch 1 within 2× of the memory-bandwidth bound
 BUDGET_S = 1200        # prompts to an evaluated head on one H100
+SPEED_GOALS = {1: 2.5, 8: 1.8, 32: 1.3}  # the best head's speedup over plain decoding: batch 1, 8 and 32 served
+OVER_TAU = 0.85        # every drafter's speedup at batch 1 against its τ
 NEAR = 0.6             # data.synthesize.dedup_threshold's default: word 3-gram Jaccard at which two prompts are one
 DATA_STAGES = ("target", "synthesize", "regenerate", "prepare", "vocab", "code_holdout")
 
@@ -187,7 +190,9 @@ def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None
            "data": {"synthesize": _load(data / "synthesize_summary.json"),
                     "regenerate": _load(data / "regenerate_summary.json"), "rows": rows},
            "code_holdout": _load(data / "code_holdout.summary.json"), "eval_sets": SETS,
-           "stages": timeline(timeline_file), "bandwidth": bandwidth, "heads": {}}
+           "stages": timeline(timeline_file), "bandwidth": bandwidth, "heads": {},
+           # plain, n-gram and suffix decoding measured before any head exists (gpu_qwen.sh's runtime_model_free)
+           "model_free_runtime": runtime_rows(_load(runtimes.get("model_free")))}
     if isinstance(out["code_holdout"], dict):
         out["code_holdout"].pop("dropped", None)  # their instructions stay in the .summary.json beside the set
     for kind in KINDS:
@@ -217,6 +222,8 @@ def merge(summary: dict, earlier: dict, path: Path) -> None:
             summary["heads"][kind] = h if "carried_over" in h else {"carried_over": origin, **h}
     if summary.get("bandwidth") is None and earlier.get("bandwidth"):
         summary["bandwidth"] = {"carried_over": origin, **earlier["bandwidth"]}
+    if summary.get("model_free_runtime") is None and earlier.get("model_free_runtime"):
+        summary["model_free_runtime"] = {"carried_over": origin, **earlier["model_free_runtime"]}
 
 
 def _ev(summary: dict, kind: str, name: str):
@@ -240,6 +247,40 @@ def plain_vs_bound(summary: dict) -> dict | None:
                     "decode_tokens_per_s": row["decode_tokens_per_s"],
                     "fraction_of_bound": row["decode_tokens_per_s"] / bw["bound_tokens_per_s"]}
     return None
+
+
+def speed_rows(summary: dict):
+    """(source, "static" | "served", row) for every decode-speed row: the model-free run's, then each head's."""
+    sources = [("model_free", summary.get("model_free_runtime"))]
+    sources += [(k, h.get("runtime")) for k, h in summary["heads"].items() if isinstance(h, dict)]
+    for src, rt in sources:
+        for mode, key in (("static", "rows"), ("served", "serving")):
+            for r in (rt or {}).get(key) or []:
+                yield src, mode, r
+
+
+def _drafts_with_head(drafter: str) -> bool:
+    return drafter.startswith(("head", "hybrid"))
+
+
+def speed_goals(summary: dict) -> dict:
+    """The best head's speedup at batch 1 (one request) and served at 8 and 32 slots (continuous batching), and
+    speedup ÷ τ of every drafter at batch 1, from the bench_runtime rows."""
+    g, rows = {}, list(speed_rows(summary))
+    for batch, want in SPEED_GOALS.items():
+        mode = "static" if batch == 1 else "served"
+        name = f"best_head_speedup_{'batch' if batch == 1 else 'served'}{batch}>={want}"
+        cand = [(r["speedup"], f"{src}: {r['drafter']}") for src, m, r in rows
+                if m == mode and r.get("batch") == batch and _drafts_with_head(r["drafter"]) and r.get("speedup")]
+        best = max(cand) if cand else None
+        g[name] = "not run" if best is None else {"value": best[0], "met": best[0] >= want, "drafter": best[1]}
+    ratios = {f"{src}: {r['drafter']}": r["speedup"] / r["tau"] for src, m, r in rows
+              if m == "static" and r.get("batch") == 1 and r["drafter"] != "plain" and r.get("tau")
+              and r.get("speedup")}
+    g[f"every_drafter_speedup>={OVER_TAU}_tau_batch1"] = "not run" if not ratios else {
+        "met": all(v >= OVER_TAU for v in ratios.values()), "ratios": ratios,
+        "short": sorted(k for k, v in ratios.items() if v < OVER_TAU)}
+    return g
 
 
 def goals(summary: dict) -> dict:
@@ -270,6 +311,7 @@ def goals(summary: dict) -> dict:
     g[f"prompts_to_evaluated_head<={BUDGET_S}s"] = ({"value": t, "met": t <= BUDGET_S,
                                                       "device": summary["machine"].get("gpu", "cpu")} if t and done
                                                      else "not run (some stage missing)")
+    g.update(speed_goals(summary))
     return g
 
 
@@ -311,6 +353,17 @@ def markdown(s: dict) -> str:
                   f"of {bw['weights']['dtype']} weights, {bw['device']}); plain decoding "
                   + (f"{p['decode_tokens_per_s']:,.0f} tok/s after the prefill = {p['fraction_of_bound']:.2f} of it."
                      if p else "not measured (RUNTIME=1).")]
+    speed = list(speed_rows(s))
+    if speed:
+        lines += ["", "Decode speed (bench_runtime.py; static: one batch of B prompts; served: continuous batching "
+                  "in B slots; speedup against plain decoding in the same run):", "",
+                  "| run | batch | mode | drafter | τ | tok/s | speedup | speedup ÷ τ | lossless |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---|"]
+        for src, mode, r in speed:
+            over = r["speedup"] / r["tau"] if r.get("speedup") and r.get("tau") else None
+            lines.append(f"| {src} | {r.get('batch')} | {mode} | {r['drafter']} | {_f(r.get('tau'))} | "
+                         f"{_f(r.get('tokens_per_s'), '{:,.0f}')} | {_f(r.get('speedup'))}× | {_f(over)} | "
+                         f"{r.get('lossless')} |")
     for kind, h in s["heads"].items():
         if isinstance(h, dict) and isinstance(h.get("mfu"), dict):
             m = h["mfu"]
@@ -326,6 +379,7 @@ def markdown(s: dict) -> str:
         lines.append(f"- {name}: " + (v if isinstance(v, str) else
                                       f"{'met' if v['met'] else 'missed'}"
                                       + (f" ({_f(v['value'], '{:.3g}')})" if v.get("value") is not None else "")
+                                      + (f", {v['drafter']}" if v.get("drafter") else "")
                                       + (f", on {v['device']}" if v.get("device") else "")
                                       + (f", short: {', '.join(v['short'])}" if v.get("short") else "")))
     return "\n".join(lines) + "\n"

@@ -325,3 +325,50 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     assert s["goals"]["peagle_tau>=eagle3_tau_same_k (mixed)"]["met"] is True       # equal reports
     assert s["stages"]["train_eagle3"] == {"rc": 0, "seconds": 78}
     assert "| peagle | mixed | 3 | 2.57 |" in (tmp_path / "p.md").read_text()
+
+
+def _runtime(rows, serving=()):
+    keys = ("engine", "batch", "drafter", "tau", "tokens_per_s", "speedup", "lossless")
+    return {"device": "cuda", "dtype": "bfloat16", "k": 3, "new_tokens": 128,
+            "rows": [dict(zip(keys, r)) for r in rows], "serving": [dict(zip(keys, r)) for r in serving]}
+
+
+def test_qwen_summary_tabulates_and_judges_what_was_measured(tmp_path):
+    """qwen_summary.py: the eval report (head against the better of n-gram and suffix), the model-free runtime and
+    the head's runtime as one decode table, and each goal judged on what exists: a missing set, training or
+    concurrency is 'not run', never a pass."""
+    mod = _load("qwen_summary")
+    run = tmp_path / "run"
+    report = json.loads((REPO / "benchmarks/results/smollm2_reference/eval_mixed/report.json").read_text())
+    (run / "eval_eagle3_mixed").mkdir(parents=True)
+    (run / "eval_eagle3_mixed" / "report.json").write_text(json.dumps(report))
+    free = tmp_path / "bench_runtime_model_free.json"
+    free.write_text(json.dumps(_runtime([("compiled", 1, "plain", 1.0, 200.0, 1.0, True),
+                                         ("compiled", 1, "ngram", 1.5, 270.0, 1.35, True),
+                                         ("compiled", 1, "suffix", 1.6, 240.0, 1.2, True)],
+                                        [("compiled", 8, "plain", 1.0, 1500.0, 1.0, True)])))
+    head = tmp_path / "bench_runtime_eagle3.json"
+    head.write_text(json.dumps(_runtime([("compiled", 1, "plain", 1.0, 200.0, 1.0, True),
+                                         ("compiled", 1, "head (eagle3)", 3.0, 540.0, 2.7, True),
+                                         ("compiled", 1, "hybrid suffix (min_match 3)", 3.2, 500.0, 2.5, True)],
+                                        [("compiled", 8, "head (eagle3)", 2.8, 2400.0, 1.6, True)])))
+    s = mod.summarize(run, None, None, {"model_free": free, "eagle3": head})
+    s["goals"] = mod.goals(s)
+    g = s["goals"]
+    assert g["best_head_speedup_batch1>=2.5"] == {"value": 2.7, "met": True, "drafter": "eagle3: head (eagle3)"}
+    assert g["best_head_speedup_served8>=1.8"]["met"] is False and g["best_head_speedup_served8>=1.8"]["value"] == 1.6
+    assert g["best_head_speedup_served32>=1.3"] == "not run"
+    over = g["every_drafter_speedup>=0.85_tau_batch1"]
+    assert over["met"] is False and over["short"] == ["eagle3: hybrid suffix (min_match 3)", "model_free: suffix"]
+    assert over["ratios"]["model_free: ngram"] == pytest.approx(0.9)
+    assert g["eagle3_tau_k3_code_holdout>=3.0"] == "not run"
+    assert g["online_training_mfu>=40%"] == "not measured"
+    assert g["plain_batch1_within_2x_of_bandwidth_bound"] == "not run"
+    md = mod.markdown(s)
+    assert "| model_free | 1 | static | suffix | 1.60 | 240 | 1.20× | 0.75 | True |" in md
+    assert "| eagle3 | 8 | served | head (eagle3) | 2.80 | 2,400 | 1.60× | 0.57 | True |" in md
+    # an earlier run's model-free figures carry over into a later head's summary, marked as such
+    later = mod.summarize(run, None, None, {})
+    mod.merge(later, s, tmp_path / "earlier.json")
+    assert later["model_free_runtime"]["carried_over"]["file"].endswith("earlier.json")
+    assert any(src == "model_free" for src, _, _ in mod.speed_rows(later))
