@@ -50,9 +50,10 @@ use_gguf_parts() {
   abs=$(cd "$(dirname "$src")" && pwd)/$(basename "$src")
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
   python3 - "$abs" "$recipe" <<'PY' || exit 2
-import hashlib, sys
+import sys
 from pathlib import Path
 from specheads.config import load_recipe
+from specheads.fileio import sha256_file
 from specheads.gguf_parts import GGUFPartsError, parts_in_folder
 src, spec = Path(sys.argv[1]), load_recipe(sys.argv[2]).target.gguf_parts
 if src.is_dir():
@@ -60,13 +61,8 @@ if src.is_dir():
         parts_in_folder(spec, src)
     except GGUFPartsError as e:
         sys.exit(str(e))
-else:
-    h = hashlib.sha256()
-    with open(src, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    if h.hexdigest() != spec.sha256:
-        sys.exit(f"{src}: sha256 {h.hexdigest()}, not the joined file of {sys.argv[2]} ({spec.sha256})")
+elif (got := sha256_file(src)) != spec.sha256:
+    sys.exit(f"{src}: sha256 {got}, not the joined file of {sys.argv[2]} ({spec.sha256})")
 PY
   if [ -d "$abs" ]; then
     TARGET_OV=("target.gguf_parts.folder=$abs")

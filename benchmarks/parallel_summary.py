@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_summary import eval_set, machine, timeline  # noqa: E402
 from run_paths import relative  # noqa: E402
 from specheads.fileio import write_json_atomic  # noqa: E402
+from specheads.train.run_log import read_metrics  # noqa: E402
 
 KINDS = ("eagle3", "peagle", "dflash")
 SETS = ("mixed", "vicuna", "gsm8k")
@@ -35,11 +36,12 @@ def _load(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def training(train_dir: Path) -> dict | None:
+def training(train_dir: Path, rows: list[dict] | None = None) -> dict | None:
+    """The run's training figures from its metrics.jsonl (``rows``: those already read)."""
     f = train_dir / "metrics.jsonl"
     if not f.is_file():
         return None
-    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    rows = read_metrics(f) if rows is None else rows
     train = [r for r in rows if r.get("split") == "train" and r.get("tokens_per_s")]
     ev = [r for r in rows if r.get("split") == "eval"]
     head_config = _load(train_dir / "final" / "head_config.json")

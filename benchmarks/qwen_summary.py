@@ -7,11 +7,11 @@ train on (new_codealpaca.json), with the counts beside it (``.summary.json``).
 
 ``summary`` reads what the stages wrote (nothing is re-measured here): per head kind (``eagle3``, ``peagle``,
 ``dflash``) the eval reports ``RUN/eval_{kind}_{set}/report.json`` and the training metrics
-``RUN/train_{kind}/metrics.jsonl``; ``bench_runtime`` JSONs (``--runtime KIND=F``; ``model_free=F``: plain, n-gram and
-suffix decoding without a head), ``bandwidth.py``'s JSON and the script's timeline. Per head and eval set: τ of the head, n-gram, suffix decoding and the two hybrids, the head
-against the better model-free drafter (overall and per category), and the hybrid that pairs the head with that
-one; decode speed per batch size, static and served; the goals judged on what was measured (anything not run is
-said so). ``--merge F`` fills the heads this run
+``RUN/train_{kind}/metrics.jsonl``; ``bench_runtime`` JSONs (``--runtime KIND=F``; ``model_free=F``: plain, n-gram
+and suffix decoding without a head), ``bandwidth.py``'s JSON and the script's timeline. Per head and eval set: τ
+of the head, n-gram, suffix decoding and the two hybrids, the head against the better model-free drafter (overall
+and per category), and the hybrid that pairs the head with that one; decode speed per batch size, static and
+served; the goals judged on what was measured (anything not run is said so). ``--merge F`` fills the heads this run
 did not train from an earlier summary (each head kind is a run of its own), marked ``carried_over``.
 
     python benchmarks/qwen_summary.py code-holdout --src DATA/code_alpaca_2k.json \\
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -35,7 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from parallel_summary import training  # noqa: E402
 from reference_summary import _load, eval_set, machine, timeline  # noqa: E402
 from run_paths import relative  # noqa: E402
+from specheads.config import SynthesizeConfig  # noqa: E402
+from specheads.data.synthesize import normalized_text, word_shingles  # noqa: E402
 from specheads.fileio import write_json_atomic  # noqa: E402
+from specheads.train.run_log import read_metrics  # noqa: E402
 
 TITLE = "Qwen2.5-Coder-1.5B-Instruct draft heads (GGUF Q4_K_M target, online training)"
 KINDS = ("eagle3", "peagle", "dflash")
@@ -54,28 +56,19 @@ BOUND_WITHIN = 2.0     # plain decoding at batch 1 within 2× of the memory-band
 BUDGET_S = 1200        # prompts to an evaluated head on one H100
 SPEED_GOALS = {1: 2.5, 8: 1.8, 32: 1.3}  # the best head's speedup over plain decoding: batch 1, 8 and 32 served
 OVER_TAU = 0.85        # every drafter's speedup at batch 1 against its τ
-NEAR = 0.6             # data.synthesize.dedup_threshold's default: word 3-gram Jaccard at which two prompts are one
+NEAR = SynthesizeConfig.model_fields["dedup_threshold"].default  # word 3-gram Jaccard at which two prompts are one
 DATA_STAGES = ("target", "synthesize", "regenerate", "prepare", "vocab", "code_holdout")
 
 
 # --------------------------------------------------------------------------- the held-out code set
-
-def _norm(text: str) -> str:
-    return " ".join(text.lower().split())
-
-
-def _shingles(text: str) -> set[str]:
-    words = re.findall(r"\w+", text.lower())
-    return {" ".join(words[i:i + 3]) for i in range(max(1, len(words) - 2))} if words else set()
-
 
 def code_holdout(src: Path, exclude: Path, out: Path) -> dict:
     """``src``'s rows less those whose instruction ``exclude`` repeats exactly or nearly (Jaccard of word 3-grams
     ≥ NEAR): the instruction is the request, and a training row asking the same thing of other code would make the
     held-out set partly seen. Writes ``out`` (the kept rows, ``src``'s format) and ``out``.summary.json."""
     rows, other = json.loads(src.read_text()), json.loads(exclude.read_text())
-    seen = {_norm(r["instruction"]) for r in other}
-    grams = [_shingles(r["instruction"]) for r in other]
+    seen = {normalized_text(r["instruction"]) for r in other}
+    grams = [word_shingles(r["instruction"]) for r in other]
     index: dict[str, set[int]] = defaultdict(set)
     for i, g in enumerate(grams):
         for s in g:
@@ -83,10 +76,10 @@ def code_holdout(src: Path, exclude: Path, out: Path) -> dict:
     kept, exact, near = [], [], []
     for r in rows:
         ins = r["instruction"]
-        if _norm(ins) in seen:
+        if normalized_text(ins) in seen:
             exact.append(ins)
             continue
-        g = _shingles(ins)
+        g = word_shingles(ins)
         cands = set().union(*(index[s] for s in g if s in index))
         if any(len(g & grams[j]) / len(g | grams[j]) >= NEAR for j in cands):
             near.append(ins)
@@ -155,10 +148,10 @@ def flops_per_token(train: dict, rows: dict | None, bandwidth: dict | None) -> d
 
 
 def head_training(train_dir: Path) -> dict | None:
-    t = training(train_dir)
-    if t is None:
+    if not (train_dir / "metrics.jsonl").is_file():
         return None
-    rows = [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(train_dir)
+    t = training(train_dir, rows)
     last = next((r for r in reversed(rows) if r.get("split") == "train"), None)
     t["ttt_steps"] = len(last["step_loss"]) if last and last.get("step_loss") else None
     t["elapsed_s"] = last.get("elapsed_s") if last else None

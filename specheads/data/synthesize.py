@@ -330,8 +330,14 @@ def copy_prompt(task: str, template: str, document: str, tokenizer, max_tokens: 
 # --------------------------------------------------------------------------- filters
 
 
-def _normalized(text: str) -> str:
+def normalized_text(text: str) -> str:
     return " ".join(text.lower().split())
+
+
+def word_shingles(text: str) -> set[str]:
+    """The word 3-grams whose Jaccard similarity makes two texts near-duplicates (data.synthesize.dedup_threshold)."""
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i:i + 3]) for i in range(max(1, len(words) - 2))} if words else set()
 
 
 def degenerate_reason(text: str, min_chars: int, max_chars: int, echo: list[str]) -> str | None:
@@ -353,7 +359,7 @@ def degenerate_reason(text: str, min_chars: int, max_chars: int, echo: list[str]
             return "repetitive"
     if re.search(r"(.)\1{19}", t):  # one character 20 times in a row
         return "repetitive"
-    norm = _normalized(t)
+    norm = normalized_text(t)
     if any(line in norm for line in echo):
         return "echoes_system"
     return None
@@ -364,7 +370,7 @@ def echo_lines(prefix: str, system: str, specials) -> list[str]:
     a user message must not repeat; short lines ('user', 'system') are not telling."""
     for s in specials:
         prefix = prefix.replace(s, "\n")
-    return [n for n in (_normalized(x) for x in prefix.splitlines() + [system]) if len(n) >= 20]
+    return [n for n in (normalized_text(x) for x in prefix.splitlines() + [system]) if len(n) >= 20]
 
 
 class Deduper:
@@ -382,12 +388,11 @@ class Deduper:
         """None and remember ``text`` when it is new; else the reason it is a duplicate (nothing remembered)."""
         from datasketch import MinHash
 
-        norm = _normalized(text)
+        norm = normalized_text(text)
         digest = hashlib.sha256(norm.encode()).hexdigest()
         if digest in self.exact:
             return "exact_duplicate"
-        words = re.findall(r"\w+", norm)
-        shingles = {" ".join(words[i:i + 3]) for i in range(max(1, len(words) - 2))} if words else set()
+        shingles = word_shingles(norm)
         if shingles:
             m = MinHash(num_perm=self.num_perm, seed=1)
             m.update_batch([s.encode() for s in sorted(shingles)])
