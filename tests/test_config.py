@@ -10,17 +10,19 @@ RECIPES = sorted(str(p.relative_to(Path(__file__).parents[1]))
                  for p in (Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 
 
+def _named_kind(path: str) -> str:
+    """The head kind a recipe's file name ends with: ..._eagle3.yaml, ..._peagle_gpu.yaml."""
+    return Path(path).stem.removesuffix("_gpu").rsplit("_", 1)[-1]
+
+
 def test_every_head_kind_has_a_shipped_recipe():
-    assert {Path(p).stem.split("_")[-1] if not p.endswith("_gpu.yaml") else Path(p).stem.split("_")[-2]
-            for p in RECIPES} >= {"eagle3", "peagle", "dflash"}
+    assert {_named_kind(p) for p in RECIPES} >= {"eagle3", "peagle", "dflash"}
 
 
 @pytest.mark.parametrize("path", RECIPES)
 def test_shipped_recipes_validate(path):
     r = load_recipe(path)
-    # the file names its head kind: ..._eagle3.yaml, ..._peagle_gpu.yaml
-    stem = Path(path).stem.removesuffix("_gpu")
-    assert stem.endswith("_" + r.head.kind), (path, r.head.kind)
+    assert _named_kind(path) == r.head.kind, (path, r.head.kind)
 
 
 def test_overrides_win_and_parse_types():

@@ -3,8 +3,9 @@
 A run that must end by a deadline (a rented GPU, a CI slot, "prompts to an evaluated head in 20 minutes")
 cannot know its step rate before it starts: the target's forward, compilation and the feed's shapes set it.
 Cutting the run when the clock runs out would leave the learning rate high, mid-schedule. Instead the run
-re-plans at each logging step after the warmup: from the rate of the steps since the last plan it sets the last step to what the
-rest of the budget fits (never past the recipe's own total), and the schedule is re-laid to decay by that step.
+re-plans at each logging step after the warmup: from the rate of the steps since the last plan it sets the last
+step to what the rest of the budget fits (never past the recipe's own total), and the schedule is re-laid to decay
+by that step.
 A step that still finds the budget spent (a slower stretch than the last one measured) ends the run there.
 
 The budget covers the optimizer steps of this process's loop; the final held-out eval and the saves come
