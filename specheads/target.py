@@ -23,6 +23,7 @@ from torch import nn
 
 from specheads import gguf_parts
 from specheads.errors import SpecheadsError
+from specheads.fileio import sha256_file
 from specheads.heads.config import rope_from_config
 from specheads.layer_ids import resolve_aux_layer_ids
 
@@ -430,11 +431,7 @@ def _file_sha256(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _HASHES:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-        _HASHES[key] = h.hexdigest()
+        _HASHES[key] = sha256_file(path)
     return _HASHES[key]
 
 

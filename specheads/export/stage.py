@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -37,6 +36,7 @@ import torch
 from specheads.config import RecipeError, apply_overrides, load_recipe, recipe_from_dict
 from specheads.formats import card
 from specheads.fileio import disk_full_guard, fsync_dir, publish_dir, write_json_atomic
+from specheads.fileio import sha256_file as file_sha256
 from specheads.formats.common import (DTYPES, SIDE_FILE, ExportError, ExportMeta, read_json, read_side,
                                       tensor_shapes_dtypes)
 from specheads.formats.convert import KIND_FORMATS, MODULES, detect_format, load_any, save
@@ -238,14 +238,6 @@ def recipe_for_run(path, overrides: list[str] = ()):
 
 
 # ---------------------------------------------------------------- checksums, lineage, publishing
-def file_sha256(path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
-
-
 def _recorded_sha(v) -> str | None:
     """A recorded checksum, written as the hex digest or as {"sha256": hex, ...}."""
     if isinstance(v, dict):
