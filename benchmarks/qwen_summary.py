@@ -161,11 +161,23 @@ def head_training(train_dir: Path) -> dict | None:
 def runtime_rows(res: dict | None) -> dict | None:
     if res is None:
         return None
-    keep = ("engine", "batch", "drafter", "tau", "tokens_per_s", "decode_tokens_per_s", "speedup", "lossless")
-    serve = ("engine", "batch", "harvest", "drafter", "tau", "tokens_per_s", "speedup", "lossless")
+    same = ("lossless", "sequences_differing", "first_difference")
+    keep = ("engine", "batch", "drafter", "tau", "tokens_per_s", "decode_tokens_per_s", "speedup", "decode_speedup",
+            *same)
+    serve = ("engine", "batch", "harvest", "drafter", "tau", "tokens_per_s", "speedup", *same)
     return {"device": res.get("device"), "dtype": res.get("dtype"), "k": res.get("k"),
             "new_tokens": res.get("new_tokens"), "rows": [{k: r.get(k) for k in keep} for r in res.get("rows", [])],
             "serving": [{k: r.get(k) for k in serve} for r in res.get("serving", [])]}
+
+
+def _identical(r: dict) -> str:
+    """A runtime row's greedy identity: yes, or how many sequences differ and from which token on."""
+    if r.get("lossless") is None:
+        return "—"
+    if r["lossless"]:
+        return "yes"
+    n, at = r.get("sequences_differing"), r.get("first_difference")
+    return "no" + (f" ({n} differ, first at token {at})" if n is not None else "")
 
 
 def stage_seconds(stages: dict, kind: str) -> dict:
@@ -350,13 +362,15 @@ def markdown(s: dict) -> str:
     if speed:
         lines += ["", "Decode speed (bench_runtime.py; static: one batch of B prompts; served: continuous batching "
                   "in B slots; speedup against plain decoding in the same run):", "",
-                  "| run | batch | mode | drafter | τ | tok/s | speedup | speedup ÷ τ | lossless |",
-                  "|---|---:|---|---|---:|---:|---:|---:|---|"]
+                  "| run | batch | mode | drafter | τ | tok/s | speedup | after the prefill | speedup ÷ τ | "
+                  "identical to plain |",
+                  "|---|---:|---|---|---:|---:|---:|---:|---:|---|"]
         for src, mode, r in speed:
             over = r["speedup"] / r["tau"] if r.get("speedup") and r.get("tau") else None
+            dsp = f"{_f(r['decode_speedup'])}×" if r.get("decode_speedup") is not None else "—"
             lines.append(f"| {src} | {r.get('batch')} | {mode} | {r['drafter']} | {_f(r.get('tau'))} | "
-                         f"{_f(r.get('tokens_per_s'), '{:,.0f}')} | {_f(r.get('speedup'))}× | {_f(over)} | "
-                         f"{r.get('lossless')} |")
+                         f"{_f(r.get('tokens_per_s'), '{:,.0f}')} | {_f(r.get('speedup'))}× | {dsp} | {_f(over)} | "
+                         f"{_identical(r)} |")
     for kind, h in s["heads"].items():
         if isinstance(h, dict) and isinstance(h.get("mfu"), dict):
             m = h["mfu"]

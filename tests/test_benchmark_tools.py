@@ -352,6 +352,10 @@ def test_qwen_summary_tabulates_and_judges_what_was_measured(tmp_path):
                                          ("compiled", 1, "head (eagle3)", 3.0, 540.0, 2.7, True),
                                          ("compiled", 1, "hybrid suffix (min_match 3)", 3.2, 500.0, 2.5, True)],
                                         [("compiled", 8, "head (eagle3)", 2.8, 2400.0, 1.6, True)])))
+    # a bf16 row whose output is not plain decoding's: how many sequences differ, and from which token
+    rt = json.loads(free.read_text())
+    rt["rows"][1].update(lossless=False, sequences_differing=2, first_difference=64, decode_speedup=1.4)
+    free.write_text(json.dumps(rt))
     s = mod.summarize(run, None, None, {"model_free": free, "eagle3": head})
     s["goals"] = mod.goals(s)
     g = s["goals"]
@@ -365,10 +369,23 @@ def test_qwen_summary_tabulates_and_judges_what_was_measured(tmp_path):
     assert g["online_training_mfu>=40%"] == "not measured"
     assert g["plain_batch1_within_2x_of_bandwidth_bound"] == "not run"
     md = mod.markdown(s)
-    assert "| model_free | 1 | static | suffix | 1.60 | 240 | 1.20× | 0.75 | True |" in md
-    assert "| eagle3 | 8 | served | head (eagle3) | 2.80 | 2,400 | 1.60× | 0.57 | True |" in md
+    assert "| model_free | 1 | static | suffix | 1.60 | 240 | 1.20× | — | 0.75 | yes |" in md
+    assert "| model_free | 1 | static | ngram | 1.50 | 270 | 1.35× | 1.40× | 0.90 | no (2 differ, first at token 64) |" in md
+    assert "| eagle3 | 8 | served | head (eagle3) | 2.80 | 2,400 | 1.60× | — | 0.57 | yes |" in md
     # an earlier run's model-free figures carry over into a later head's summary, marked as such
     later = mod.summarize(run, None, None, {})
     mod.merge(later, s, tmp_path / "earlier.json")
     assert later["model_free_runtime"]["carried_over"]["file"].endswith("earlier.json")
     assert any(src == "model_free" for src, _, _ in mod.speed_rows(later))
+
+
+def test_bench_runtime_says_where_drafted_output_left_plain_decoding():
+    """bench_runtime's identity check: lossless, or how many sequences differ and the earliest differing token
+    (a bf16 near-tie shows as one sequence from a late token on; a broken verify from token 0 in every one)."""
+    identity = _load("bench_runtime").identity
+    plain = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9]]
+    assert identity(plain, plain) == {"lossless": True}
+    assert identity([[1, 2, 3, 4], [5, 6, 0, 8], [9, 9, 9]], plain) == {
+        "lossless": False, "sequences_differing": 1, "first_difference": 2}
+    assert identity([[1, 2], [0, 6, 7, 8], [9, 9, 9]], plain) == {
+        "lossless": False, "sequences_differing": 2, "first_difference": 0}
