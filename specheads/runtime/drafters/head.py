@@ -129,6 +129,7 @@ class HeadDrafter(Drafter):
         else:
             self.needs_final = True
         self._states: dict = {}
+        self._prompt_pass = False
         self.state: _HeadState | None = None
         self.cache: DraftCache | None = None
         self.ctx: DraftContext | None = None
@@ -242,6 +243,7 @@ class HeadDrafter(Drafter):
                                                            p.dtype, ctx.device))
         st.cache.lengths.zero_()
         self.state, self.cache, self.ctx = st, st.cache, ctx
+        self._prompt_pass = True        # the next update is the prompt's (see update)
 
     @torch.no_grad()
     def update(self, v: Verified) -> None:
@@ -251,11 +253,18 @@ class HeadDrafter(Drafter):
             raise RuntimeError("update() before start()")
         st, B = self.state, v.next_tokens.shape[0]
         states = v.aux if self.uses_aux else v.final
-        if st.root_logits is None or st.root_logits.shape[0] != B:
-            # the prompt's pass (eager) sizes the root buffers every later pass writes in place:
+        if self._prompt_pass or st.root_logits is None or st.root_logits.shape[0] != B:
+            # the prompt's pass runs eagerly, as the target's prefill: its width is the prompts', which would
+            # recompile the compiled first pass in every run after the first (6 s of a batch-1 prefill on an
+            # H100, 2026-12-07). The first one sizes the root buffers every later pass writes in place:
             # captured graphs read and write these very tensors
-            st.root_logits, st.root_h, st.root_pos = (t.clone() for t in self._first_pass(
-                v.start, v.count, v.next_tokens, states, self._kv_len()))
+            self._prompt_pass = False
+            out = self._first_pass(v.start, v.count, v.next_tokens, states, self._kv_len(), eager=True)
+            if st.root_logits is None or st.root_logits.shape[0] != B:
+                st.root_logits, st.root_h, st.root_pos = (t.clone() for t in out)
+            else:
+                for buf, t in zip((st.root_logits, st.root_h, st.root_pos), out):
+                    buf.copy_(t)
             return
         self._first_pass_fn(v.start, v.count, v.next_tokens, states, self._kv_len(),
                             (st.root_logits, st.root_h, st.root_pos))
@@ -267,6 +276,7 @@ class HeadDrafter(Drafter):
         st = self.state
         if st is None:
             raise RuntimeError("admit() before start()")
+        self._prompt_pass = False        # a served batch's prompts come through here, each decode step to update
         states = v.aux if self.uses_aux else v.final
         out = self._first_pass(v.start, v.count, v.next_tokens, states, min(round_up(v.next_tokens.shape[1]),
                                                                             self.cache.slots), rows=rows)
@@ -277,10 +287,12 @@ class HeadDrafter(Drafter):
         for buf, t in zip((st.root_logits, st.root_h, st.root_pos), out):
             buf[rows] = t
 
-    def _first_pass(self, start, count, next_tokens, states, kv_len: int, roots=None, rows=None):
+    def _first_pass(self, start, count, next_tokens, states, kv_len: int, roots=None, rows=None,
+                    eager: bool = False):
         """``update``'s pass: the head over positions start .. start+W-1 of each row; the root
         (logits, hidden, position) at its last verified one goes to ``roots`` (or is returned).
-        ``rows``: the cache rows of the batch rows (``admit``; None: the first B)."""
+        ``rows``: the cache rows of the batch rows (``admit``; None: the first B); ``eager``: the head
+        call uncompiled (a prompt's pass)."""
         c = self.cache
         B, W = next_tokens.shape
         dev = next_tokens.device
@@ -289,7 +301,7 @@ class HeadDrafter(Drafter):
         pos = start[:, None] + torch.arange(W, device=dev)
         mask = build_attn_mask(c.lengths[at], pos.clamp(max=kv_len - 1), None, kv_len)
         hidden = self.head.project(states) if self.uses_aux else states
-        if rows is None:
+        if rows is None and not eager:
             logits, h = self._inner_step(next_tokens, hidden, pos, pos, mask, kv_len)
         else:     # admission: eager, as the target's prefill (its prompt widths would recompile a compiled step)
             logits, h = self._step_impl(next_tokens, hidden, pos, pos, mask, kv_len, rows=rows)

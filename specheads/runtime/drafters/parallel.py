@@ -175,7 +175,9 @@ class DFlashDrafter(_ParallelMixin, HeadDrafter):
         st = self.state
         if st is None:
             raise RuntimeError("update() before start()")
-        a = self._context_fn(v.start, v.count, v.next_tokens, v.aux)
+        # the prompt's context eagerly, as the target's prefill (its width would recompile the compiled write)
+        fn, self._prompt_pass = (self._write_context if self._prompt_pass else self._context_fn), False
+        a = fn(v.start, v.count, v.next_tokens, v.aux)
         if getattr(st, "anchor", None) is None or st.anchor.shape[0] != a.shape[0]:
             st.anchor = a.clone()       # sized by the prompt's pass, then written in place (graphs read it)
         else:
@@ -186,6 +188,7 @@ class DFlashDrafter(_ParallelMixin, HeadDrafter):
         st = self.state
         if st is None:
             raise RuntimeError("admit() before start()")
+        self._prompt_pass = False
         a = self._write_context(v.start, v.count, v.next_tokens, v.aux, rows=rows)   # eager, as the prefill
         B = self.ctx.batch
         if getattr(st, "anchor", None) is None or st.anchor.shape[0] != B:
