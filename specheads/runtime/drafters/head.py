@@ -259,12 +259,11 @@ class HeadDrafter(Drafter):
             # H100, 2026-12-07). The first one sizes the root buffers every later pass writes in place:
             # captured graphs read and write these very tensors
             self._prompt_pass = False
-            out = self._first_pass(v.start, v.count, v.next_tokens, states, self._kv_len(), eager=True)
-            if st.root_logits is None or st.root_logits.shape[0] != B:
+            sized = st.root_logits is not None and st.root_logits.shape[0] == B
+            out = self._first_pass(v.start, v.count, v.next_tokens, states, self._kv_len(),
+                                   (st.root_logits, st.root_h, st.root_pos) if sized else None, eager=True)
+            if not sized:
                 st.root_logits, st.root_h, st.root_pos = (t.clone() for t in out)
-            else:
-                for buf, t in zip((st.root_logits, st.root_h, st.root_pos), out):
-                    buf.copy_(t)
             return
         self._first_pass_fn(v.start, v.count, v.next_tokens, states, self._kv_len(),
                             (st.root_logits, st.root_h, st.root_pos))
