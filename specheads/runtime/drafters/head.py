@@ -109,6 +109,7 @@ class HeadDrafter(Drafter):
 
     kind = "eagle3"
     uses_aux = True             # the first pass reads fc(target aux states); False: the target's final state
+    mask_slots = 0              # slots the first pass appends after each row's root (P-EAGLE's depths 2..K)
     supports_tree = True
     provides_probs = True
     graph_safe = True
@@ -238,9 +239,10 @@ class HeadDrafter(Drafter):
         key = (ctx.batch, ctx.max_seq, p.dtype, str(ctx.device))
         st = self._states.get(key)
         if st is None:
+            # P-EAGLE's mask slots follow the verified tokens in the same pass: their spare room past max_seq
             st = self._states[key] = _HeadState(DraftCache(max(c.num_layers, c.num_mtp_depths), ctx.batch,
-                                                           c.num_key_value_heads, ctx.max_seq, c.head_dim,
-                                                           p.dtype, ctx.device))
+                                                           c.num_key_value_heads, ctx.max_seq + self.mask_slots,
+                                                           c.head_dim, p.dtype, ctx.device))
         st.cache.lengths.zero_()
         self.state, self.cache, self.ctx = st, st.cache, ctx
         self._prompt_pass = True        # the next update is the prompt's (see update)
@@ -291,15 +293,19 @@ class HeadDrafter(Drafter):
         """``update``'s pass: the head over positions start .. start+W-1 of each row; the root
         (logits, hidden, position) at its last verified one goes to ``roots`` (or is returned).
         ``rows``: the cache rows of the batch rows (``admit``; None: the first B); ``eager``: the head
-        call uncompiled (a prompt's pass)."""
+        call uncompiled (a prompt's pass). With ``mask_slots`` (P-EAGLE) the root logits are [B, 1 + n, Vd]:
+        the root's, then those of the n mask slots the same pass runs right after it."""
         c = self.cache
-        B, W = next_tokens.shape
         dev = next_tokens.device
+        hidden = self.head.project(states) if self.uses_aux else states
+        if self.mask_slots:
+            next_tokens, hidden = self._with_mask_slots(next_tokens, hidden, count)
+            kv_len = min(round_up(kv_len + self.mask_slots), c.slots)
+        B, W = next_tokens.shape
         at = slice(0, B) if rows is None else rows
         c.lengths[at] = start
         pos = start[:, None] + torch.arange(W, device=dev)
         mask = build_attn_mask(c.lengths[at], pos.clamp(max=kv_len - 1), None, kv_len)
-        hidden = self.head.project(states) if self.uses_aux else states
         if rows is None and not eager:
             logits, h = self._inner_step(next_tokens, hidden, pos, pos, mask, kv_len)
         else:     # admission: eager, as the target's prefill (its prompt widths would recompile a compiled step)
@@ -307,7 +313,12 @@ class HeadDrafter(Drafter):
         last = (count - 1).clamp(min=0)
         r = torch.arange(B, device=dev)
         c.lengths[at] = start + count
-        out = (logits[r, last], h[r, last], start + last)
+        if self.mask_slots:     # the root's logits, then each mask slot's: [B, 1 + mask_slots, Vd]
+            cols = last[:, None] + torch.arange(1 + self.mask_slots, device=dev)
+            root_logits = logits.gather(1, cols[..., None].expand(-1, -1, logits.shape[-1]))
+        else:
+            root_logits = logits[r, last]
+        out = (root_logits, h[r, last], start + last)
         if roots is None:
             return out
         for buf, t in zip(roots, out):

@@ -1,11 +1,12 @@
 """Parallel drafters: heads that draft several tokens per forward (P-EAGLE, DFlash), chains only.
 
-- ``PEagleDrafter``: EAGLE-3's first pass over the newly verified tokens (``HeadDrafter.update``,
-  whose root logits give draft 1), then ONE head forward over k - 1 mask slots at positions
-  root+1 .. root+k-1 (the mask token, hidden ``fc(mask_hidden)``), causal over the head's cache
-  and the earlier mask slots; draft d+1 is mask slot d's. As vLLM's parallel drafting
-  (``llm_base_proposer.py``), except that the mask slots run as a second forward, not appended
-  to the first pass (whose padded columns would then share their slots).
+- ``PEagleDrafter``: one head forward a step. EAGLE-3's first pass over the newly verified tokens
+  (``HeadDrafter.update``) runs with K - 1 mask slots placed right after each row's root: the
+  mask token with hidden ``fc(mask_hidden)`` at positions root+1 .. root+K-1, causal as the
+  training forward's depths are. The root's logits give draft 1 and mask slot d's draft d+1, as
+  vLLM's parallel drafting (``llm_base_proposer.py``) appends its mask tokens to the pass. In a
+  padded batch the mask slots replace each row's padding columns from its count on, so they take
+  the very slots and positions that follow the row's verified tokens; ``propose`` only reads.
 - ``DFlashDrafter``: the draft cache holds the context K/V (``head.context_kv`` of the target's
   aux states) of every verified position; a step runs one block [anchor, mask x (S-1)] at positions
   L .. L+S-1 (L: the row's verified length; the anchor is the last verified token, not yet in the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from ..model import build_attn_mask
 from ..tree import DraftTree, TreeConfig
 from .base import DraftContext, Proposal, Verified, pick_draft
 from .head import HeadDrafter
@@ -66,21 +66,16 @@ class _ParallelMixin:
 
 
 class PEagleDrafter(_ParallelMixin, HeadDrafter):
-    """P-EAGLE: a step is EAGLE-3's first pass plus one forward over k - 1 mask slots. Every
-    step is fixed-shape device work with state in buffers updated in place: ``graph_safe``."""
+    """P-EAGLE: a step is EAGLE-3's first pass with K - 1 mask slots after each row's root, one
+    forward. Every step is fixed-shape device work with state in buffers updated in place:
+    ``graph_safe``."""
 
     kind = "peagle"
     uses_aux = True
 
-    def __init__(self, head, name: str | None = None, target_vocab_size: int | None = None):
-        super().__init__(head, name=name, target_vocab_size=target_vocab_size)
-        self._mask_fn = self._mask_pass
-
-    def compile(self, units: bool = True, **compile_kwargs) -> "PEagleDrafter":
-        super().compile(units=units, **compile_kwargs)
-        if units:
-            self._mask_fn = torch.compile(self._mask_pass, **compile_kwargs)
-        return self
+    @property
+    def mask_slots(self) -> int:
+        return self.tokens_per_forward - 1
 
     def start(self, ctx: DraftContext) -> None:
         super().start(ctx)
@@ -93,28 +88,25 @@ class PEagleDrafter(_ParallelMixin, HeadDrafter):
         else:
             st.mask_h.copy_(m)
 
-    def _mask_pass(self, pos, mask_h, n: int, kv_len: int):
-        """Draft logits [B, n, Vd] of the n mask slots after each row's root (position ``pos``),
-        written at the slots after the row's verified length; the cache lengths are left as they were
-        (the next first pass overwrites those slots)."""
-        c, B = self.cache, pos.shape[0]
-        base = c.lengths[:B]
-        wp = base[:, None] + torch.arange(n, device=pos.device)
-        mask = build_attn_mask(base, wp.clamp(max=kv_len - 1), None, kv_len)
-        ids = torch.full((B, n), int(self.cfg.mask_token_id), dtype=torch.long, device=pos.device)
-        hidden = mask_h.expand(B, n, mask_h.shape[-1])
-        positions = pos[:, None] + 1 + torch.arange(n, device=pos.device)
-        logits, _ = self._inner_step(ids, hidden, positions, wp, mask, kv_len, 1)
-        return logits
+    def _with_mask_slots(self, next_tokens, hidden, count):
+        """The pass's inputs [B, W + n]: each row's verified columns, then from its count on the mask
+        token and hidden (its padding columns, and n more, become mask slots; those past count + n are
+        padding whose outputs nothing reads)."""
+        B, W = next_tokens.shape
+        n = self.mask_slots
+        col = torch.arange(W + n, device=next_tokens.device)
+        verified = (col[None] < count[:, None])
+        ids = torch.cat([next_tokens, next_tokens.new_zeros(B, n)], 1)
+        ids = torch.where(verified, ids, int(self.cfg.mask_token_id))
+        mask_h = self.state.mask_h.to(hidden.dtype)
+        hidden = torch.cat([hidden, mask_h.expand(B, n, hidden.shape[-1])], 1)
+        return ids, torch.where(verified[..., None], hidden, mask_h)
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
         self.check_k(k)
-        logits, _, pos = self.root()
-        dl = logits[:, None]
-        if k > 1:
-            dl = torch.cat([dl, self._mask_fn(pos, self.state.mask_h, k - 1, self._kv_len())], 1)
-        return self._proposal(ctx, dl, k)
+        logits, _, _ = self.root()          # [B, K, Vd]: the root's and the mask slots' from the last pass
+        return self._proposal(ctx, logits[:, :k], k)
 
 
 class DFlashDrafter(_ParallelMixin, HeadDrafter):
