@@ -43,13 +43,18 @@ def training(train_dir: Path, rows: list[dict] | None = None) -> dict | None:
         return None
     rows = read_metrics(f) if rows is None else rows
     train = [r for r in rows if r.get("split") == "train" and r.get("tokens_per_s")]
-    ev = [r for r in rows if r.get("split") == "eval"]
+    # the step-0 eval is the untrained head's: not a held-out figure of this head
+    ev = [r for r in rows if r.get("split") == "eval" and r.get("step")]
     head_config = _load(train_dir / "final" / "head_config.json")
-    return {"steps": train[-1]["step"] if train else None,
-            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train) if train else None,
-            "heldout_sim_tau": ev[-1].get("sim_tau") if ev else None,
-            "heldout_step_acc": ev[-1].get("step_acc") if ev else None,
-            "head_config": head_config}
+    out = {"steps": train[-1]["step"] if train else None,
+           "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train) if train else None,
+           "heldout_sim_tau": ev[-1].get("sim_tau") if ev else None,
+           "heldout_step_acc": ev[-1].get("step_acc") if ev else None,
+           "head_config": head_config}
+    div = _load(train_dir / "diverged.json")
+    if div:          # the trainer stopped here (specheads.train.step.diverged): what, where, which rows
+        out["diverged"] = {k: div.get(k) for k in ("what", "step", "epoch", "input_ids_shape", "rows")}
+    return out
 
 
 def head_vs_ngram(s: dict) -> dict | None:

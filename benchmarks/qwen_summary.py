@@ -207,7 +207,9 @@ def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None
             rep = _load(run / f"eval_{kind}_{name}" / "report.json")
             h["evals"][name] = versus_free(eval_set(rep)) if rep else "not run"
         if h["training"] is None and all(v == "not run" for v in h["evals"].values()):
-            out["heads"][kind] = "not run"
+            # a runtime alone (a head trained in an earlier run, timed in this one): ``merge`` adds the rest
+            out["heads"][kind] = {"training": None, "evals": h["evals"], "runtime": h["runtime"]} if h["runtime"] \
+                else "not run"
             continue
         fl = flops_per_token(h["training"], rows, bandwidth)
         tps = (h["training"] or {}).get("tokens_per_s_median")
@@ -223,8 +225,13 @@ def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None
 def merge(summary: dict, earlier: dict, path: Path) -> None:
     origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine")}
     for kind, h in (earlier.get("heads") or {}).items():
-        if isinstance(h, dict) and not isinstance(summary["heads"].get(kind), dict):
-            summary["heads"][kind] = h if "carried_over" in h else {"carried_over": origin, **h}
+        cur = summary["heads"].get(kind)
+        own = isinstance(cur, dict) and (cur.get("training") or any(isinstance(e, dict) for e in cur["evals"].values()))
+        if isinstance(h, dict) and not own:
+            merged = h if "carried_over" in h else {"carried_over": origin, **h}
+            if isinstance(cur, dict) and cur.get("runtime"):      # timed in this run: its rows win
+                merged = {**merged, "runtime": cur["runtime"]}
+            summary["heads"][kind] = merged
     if summary.get("bandwidth") is None and earlier.get("bandwidth"):
         summary["bandwidth"] = {"carried_over": origin, **earlier["bandwidth"]}
     if summary.get("model_free_runtime") is None and earlier.get("model_free_runtime"):
@@ -334,6 +341,12 @@ def markdown(s: dict) -> str:
             continue
         if "carried_over" in h:
             kind = f"{kind} (from {h['carried_over'].get('date')})"
+        div = (h.get("training") or {}).get("diverged")
+        if div and not any(isinstance(e, dict) for e in h["evals"].values()):
+            shape = f" (input_ids shape {div['input_ids_shape']})" if div.get("input_ids_shape") else ""
+            lines.append(f"| {kind} | training diverged: {div.get('what')} at optimizer step {div.get('step')}{shape}; "
+                         f"not evaluated | | | | | | | | | |")
+            continue
         for name, e in h["evals"].items():
             if not isinstance(e, dict) or e.get("tau") is None:
                 lines.append(f"| {kind} | {name}: not run | | | | | | | | | |")
@@ -378,7 +391,7 @@ def markdown(s: dict) -> str:
                          f"{m['flops_per_token']['total'] / 1e9:.2f} GFLOP a token (target forward "
                          f"{m['flops_per_token']['target_forward'] / 1e9:.2f}) = MFU {m['value']:.1%} of "
                          f"{m['peak_flops_per_s'] / 1e12:.3g} TFLOP/s ({m.get('device')}).")
-        if isinstance(h, dict) and h.get("time"):
+        if isinstance(h, dict) and h.get("time") and any(isinstance(e, dict) for e in h["evals"].values()):
             lines.append(f"\n{kind}: prompts → evaluated head {h['time']['seconds']} s, the sum of its stages "
                          f"({', '.join(h['time']['stages'])}).")
     lines += ["", "Goals:", ""]

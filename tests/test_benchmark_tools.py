@@ -379,6 +379,42 @@ def test_qwen_summary_tabulates_and_judges_what_was_measured(tmp_path):
     assert any(src == "model_free" for src, _, _ in mod.speed_rows(later))
 
 
+def test_qwen_summary_says_a_head_diverged_and_keeps_the_untrained_eval_out(tmp_path):
+    """A head whose training stopped (the trainer's diverged.json) is one row saying where and why, and the
+    step-0 eval of the untrained head is not reported as its held-out accuracy."""
+    mod = _load("qwen_summary")
+    run = tmp_path / "run"
+    td = run / "train_peagle"
+    td.mkdir(parents=True)
+    rows = [{"split": "eval", "step": 0, "step_acc": [0.0001, 0.0], "sim_tau": 1.0},
+            {"split": "train", "step": 93, "tokens_per_s": 35000.0, "loss": 19.0}]
+    (td / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (td / "diverged.json").write_text(json.dumps({"what": "gradient norm is inf", "step": 94, "epoch": 1,
+                                                  "rows": [3, 1], "input_ids_shape": [52, 315]}))
+    s = mod.summarize(run, None, None, {})
+    t = s["heads"]["peagle"]["training"]
+    assert t["heldout_step_acc"] is None and t["steps"] == 93
+    assert t["diverged"] == {"what": "gradient norm is inf", "step": 94, "epoch": 1, "input_ids_shape": [52, 315],
+                             "rows": [3, 1]}
+    s["goals"] = mod.goals(s)
+    md = mod.markdown(s)
+    assert ("| peagle | training diverged: gradient norm is inf at optimizer step 94 (input_ids shape [52, 315]); "
+            "not evaluated |") in md
+    assert "| peagle | mixed: not run |" not in md and "peagle: prompts → evaluated head" not in md
+    # a head trained in an earlier run and timed in this one: the earlier training and evals, this run's rows
+    rt = tmp_path / "bench_runtime_peagle.json"
+    rt.write_text(json.dumps(_runtime([("compiled", 1, "plain", 1.0, 200.0, 1.0, True),
+                                       ("compiled", 1, "head (peagle)", 2.0, 300.0, 1.5, True)], [])))
+    earlier = {"heads": {"peagle": {"training": {"steps": 400}, "evals": {"mixed": {"tau": 2.1}}, "runtime": None}}}
+    timed = tmp_path / "timed"
+    timed.mkdir()
+    later = mod.summarize(timed, None, None, {"peagle": rt})
+    mod.merge(later, earlier, tmp_path / "earlier.json")
+    h = later["heads"]["peagle"]
+    assert h["training"] == {"steps": 400} and h["evals"]["mixed"]["tau"] == 2.1
+    assert [r["drafter"] for r in h["runtime"]["rows"]] == ["plain", "head (peagle)"]
+
+
 def test_bench_runtime_says_where_drafted_output_left_plain_decoding():
     """bench_runtime's identity check: lossless, or how many sequences differ and the earliest differing token
     (a bf16 near-tie shows as one sequence from a late token on; a broken verify from token 0 in every one)."""

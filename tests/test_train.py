@@ -254,7 +254,9 @@ def test_nan_stops_and_keeps_last_good_checkpoint(target, vocab, tmp_path):
     assert not (ck / "step_5").exists() and not (tmp_path / "train" / "final").exists()
     head, meta = load_trained_head(ck / "step_4")
     assert all(torch.isfinite(p).all() for p in head.parameters())
-    assert json.loads((tmp_path / "train" / "diverged.json").read_text())["step"] == 5
+    report = json.loads((tmp_path / "train" / "diverged.json").read_text())
+    assert report["step"] == 5 and report["rows"] == list(ei.value.rows)
+    assert len(report["input_ids_shape"]) == 2 and f"input_ids shape {tuple(report['input_ids_shape'])}" in str(ei.value)
 
 
 def test_bad_dump_is_reported(target, vocab, tmp_path):

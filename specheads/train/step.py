@@ -264,6 +264,7 @@ def diverged(what: str, step: int, micro, epoch: int, rows, shape: tuple, train_
         if not dist.is_initialized() or dist.get_rank() == 0:
             (train_dir / "diverged.json").write_text(json.dumps(
                 {"what": what, "step": step, "micro_batch": micro, "epoch": epoch, "rows": rows,
+                 "input_ids_shape": list(shape) if shape is not None else None,
                  "last_good_checkpoint": str(latest) if latest else None}, indent=2, default=str))
     except OSError:
         pass
