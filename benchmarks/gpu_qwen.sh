@@ -104,7 +104,8 @@ summary() {
     --md "$OUT/qwen2.5_coder_1.5b.md" --timeline "$OUT/timeline.txt" --bandwidth "$OUT/bandwidth.json" \
     ${rt[@]+"${rt[@]}"} ${merge[@]+"${merge[@]}"} >> "$OUT/log.txt" 2>&1
   tar czf "$OUT/reports.tar.gz" "$RUN"/eval_*/report.* "$RUN"/train_*/metrics.jsonl "$RUN"/train_*/plots \
-    "$RUN"/train_*/final/head_config.json "$RUN"/train_*/diverged.json "$RUN"/data/*summary*.json "$RUN"/data/rows/summary.json \
+    "$RUN"/train_*/final/head_config.json "$RUN"/train_*/diverged.json \
+    "$RUN"/data/*summary*.json "$RUN"/data/rows/summary.json \
     "$RUN"/vocab/vocab.json "$RUN"/export_*/config.json "$RUN"/export_*/README.md 2>/dev/null
 }
 trap summary EXIT

@@ -256,7 +256,8 @@ def test_nan_stops_and_keeps_last_good_checkpoint(target, vocab, tmp_path):
     assert all(torch.isfinite(p).all() for p in head.parameters())
     report = json.loads((tmp_path / "train" / "diverged.json").read_text())
     assert report["step"] == 5 and report["rows"] == list(ei.value.rows)
-    assert len(report["input_ids_shape"]) == 2 and f"input_ids shape {tuple(report['input_ids_shape'])}" in str(ei.value)
+    assert len(report["input_ids_shape"]) == 2
+    assert f"input_ids shape {tuple(report['input_ids_shape'])}" in str(ei.value)
 
 
 def test_bad_dump_is_reported(target, vocab, tmp_path):
