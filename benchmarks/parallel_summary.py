@@ -52,7 +52,9 @@ def training(train_dir: Path, rows: list[dict] | None = None) -> dict | None:
            "heldout_step_acc": ev[-1].get("step_acc") if ev else None,
            "head_config": head_config}
     div = _load(train_dir / "diverged.json")
-    if div:          # the trainer stopped here (specheads.train.step.diverged): what, where, which rows
+    # the trainer stopped here (specheads.train.step.diverged): what, where, which rows; a resumed run that finished
+    # leaves the file behind, and its final/ says it is stale
+    if div and not (train_dir / "final").is_dir():
         out["diverged"] = {k: div.get(k) for k in ("what", "step", "epoch", "input_ids_shape", "rows")}
     return out
 

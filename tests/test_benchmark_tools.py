@@ -401,6 +401,8 @@ def test_qwen_summary_says_a_head_diverged_and_keeps_the_untrained_eval_out(tmp_
     assert ("| peagle | training diverged: gradient norm is inf at optimizer step 94 (input_ids shape [52, 315]); "
             "not evaluated |") in md
     assert "| peagle | mixed: not run |" not in md and "peagle: prompts → evaluated head" not in md
+    (td / "final").mkdir()          # resumed and finished: the file left behind is stale
+    assert "diverged" not in mod.summarize(run, None, None, {})["heads"]["peagle"]["training"]
     # a head trained in an earlier run and timed in this one: the earlier training and evals, this run's rows
     rt = tmp_path / "bench_runtime_peagle.json"
     rt.write_text(json.dumps(_runtime([("compiled", 1, "plain", 1.0, 200.0, 1.0, True),

@@ -105,13 +105,14 @@ def test_entry_alignment_against_the_target(kind, target, vocab):
     assert all(int(h) == int(c) for h, c in zip(out.hits, out.counts))
 
 
-def test_peagle_training_attention_keeps_off_cudnn(target, vocab, monkeypatch):
-    """P-EAGLE's training forward gives SDPA an explicit mask: on a GPU it runs with cuDNN's attention off (its
-    backward's NaN query gradient, pytorch/pytorch#196678), the other kernels on, and the flags come back after."""
+def test_training_attention_keeps_off_cudnn(target, vocab, monkeypatch):
+    """A head's training forward (here P-EAGLE's, whose SDPA calls take an explicit mask) runs on a GPU with cuDNN's
+    attention off (its backward's NaN query gradient, pytorch/pytorch#196678), the other kernels on, and the flags
+    come back after."""
     import specheads.heads.layers as layers
-    import specheads.train.parallel_losses as pl
+    import specheads.train.losses as losses
 
-    real_sdpa, real_ctx = layers.F.scaled_dot_product_attention, pl.masked_attention_for_training
+    real_sdpa, real_ctx = layers.F.scaled_dot_product_attention, losses.masked_attention_for_training
     seen = []
 
     def spy(*a, **kw):
@@ -119,7 +120,7 @@ def test_peagle_training_attention_keeps_off_cudnn(target, vocab, monkeypatch):
         return real_sdpa(*a, **kw)
 
     monkeypatch.setattr(layers.F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(pl, "masked_attention_for_training", lambda device: real_ctx(torch.device("cuda")))
+    monkeypatch.setattr(losses, "masked_attention_for_training", lambda device: real_ctx(torch.device("cuda")))
     feed = SyntheticFeed(target, batch_size=2)
     batch = next(iter(feed))
     cfg = HeadConfig.from_target_config(target.config, "peagle", draft_vocab_size=VD, aux_layer_ids=[1, 2, 3],
@@ -127,11 +128,11 @@ def test_peagle_training_attention_keeps_off_cudnn(target, vocab, monkeypatch):
     head = PEagleHead(cfg)
     head.set_vocab_mapping(vocab[0])
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    out = pl.peagle_loss(head, batch, _tiny_view(target, batch, vocab[0]), 3, 0.7, 0.2)
+    out = losses.Objective(head, "peagle")(batch, _tiny_view(target, batch, vocab[0]))
     out.loss.backward()
     assert len(seen) == 2 and all(s == (False, True) for s in seen)      # one call per decoder layer
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    assert real_ctx(torch.device("cpu")).__class__.__name__ == "nullcontext"
+    assert type(real_ctx(torch.device("cpu"))).__name__ == "nullcontext"
 
 
 @pytest.mark.parametrize("kind", ["peagle", "dflash"])

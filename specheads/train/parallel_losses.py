@@ -13,7 +13,6 @@ batch's tokens: a resumed run samples the batches it has left exactly as an unin
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -87,26 +86,12 @@ def cod_sample(loss_mask, in_vocab, attention_mask, depths: int, keep_ratio: flo
     return anchor.to(dev), depth.to(dev)
 
 
-def masked_attention_for_training(device: torch.device):
-    """The attention kernels of a training forward that passes SDPA an explicit mask (P-EAGLE's): memory-efficient
-    or math on a GPU, never cuDNN. cuDNN's SDPA backward returns NaN in the query gradient when a mask is given, the
-    entry count is 64 mod 128 and a query row's logsumexp is below ln(FLT_MAX) (pytorch/pytorch#196678, torch 2.11 on
-    H100/H200): P-EAGLE's padding entries see only themselves, so their logsumexp is one untrained score. On an H100
-    (2026-12-07) Qwen2.5-Coder-1.5B's P-EAGLE run stopped at step 94 with an inf gradient norm (DeepSpeed's unfused
-    optimizer reports a NaN gradient as inf) at lr 2e-3 and 1e-3 alike. The backward runs the forward's kernel."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 def peagle_loss(head, batch: dict, tv: TargetView, depths: int, keep_ratio: float, keep_min: float,
                 seed: int = 0, backend: str = "auto") -> LossOutput:
     """Soft-CE of every sampled (anchor, depth) entry, depths weighted equally (speculators, SpecForge)."""
     ids, attn, lm = batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"]
     anchor, depth = cod_sample(lm, tv.in_vocab, attn, depths, keep_ratio, keep_min, batch_generator(seed, ids))
-    with masked_attention_for_training(ids.device):
-        logits = head.parallel_forward(ids, batch["aux"].to(head.fc.weight.dtype), anchor, depth, attn)
+    logits = head.parallel_forward(ids, batch["aux"].to(head.fc.weight.dtype), anchor, depth, attn)
     valid = torch.zeros_like(depth, dtype=torch.bool)
     for d in range(depths):
         ok = counted_positions(lm, tv.in_vocab, d, attn)

@@ -93,7 +93,7 @@ class _HeadState:
 
     def __init__(self, cache: DraftCache):
         self.cache = cache
-        self.root_logits: torch.Tensor | None = None    # [B, Vd]
+        self.root_logits: torch.Tensor | None = None    # [B, Vd]; P-EAGLE: [B, K, Vd] (its mask slots' after it)
         self.root_h: torch.Tensor | None = None         # [B, H]
         self.root_pos: torch.Tensor | None = None       # [B] position of the root
 
@@ -326,7 +326,8 @@ class HeadDrafter(Drafter):
         return None
 
     def root(self):
-        """(draft logits [B, Vd], hidden [B, H], position [B]) at each row's last verified token."""
+        """(draft logits [B, Vd], hidden [B, H], position [B]) at each row's last verified token (P-EAGLE's
+        logits: [B, K, Vd], the root's then its mask slots')."""
         st = self.state
         if st is None or st.root_logits is None:
             raise RuntimeError("propose() before update(): the drafter has no target states")

@@ -44,7 +44,9 @@ class _ParallelMixin:
                              f"{n} tokens ({what} = {n}); use k <= {n}")
 
     def draft_slots(self, k: int) -> int:
-        """Slots past a row's verified length a step of k drafts writes in the draft cache."""
+        """Slots past a row's verified length that a step of k drafts needs within max_seq: k. P-EAGLE's pass also
+        writes its K-1 mask slots there, but into the draft cache's own spare slots past max_seq (HeadDrafter.start),
+        and the drafts a step keeps lie within k. DFlash's block overrides this."""
         return k
 
     def propose_tree(self, ctx: DraftContext, cfg: TreeConfig) -> DraftTree:
