@@ -112,7 +112,7 @@ def test_training_attention_keeps_off_cudnn(target, vocab, monkeypatch):
     import specheads.heads.layers as layers
     import specheads.train.losses as losses
 
-    real_sdpa, real_ctx = layers.F.scaled_dot_product_attention, losses.masked_attention_for_training
+    real_sdpa, real_ctx = layers.F.scaled_dot_product_attention, losses.sdpa_without_cudnn
     seen = []
 
     def spy(*a, **kw):
@@ -120,7 +120,7 @@ def test_training_attention_keeps_off_cudnn(target, vocab, monkeypatch):
         return real_sdpa(*a, **kw)
 
     monkeypatch.setattr(layers.F, "scaled_dot_product_attention", spy)
-    monkeypatch.setattr(losses, "masked_attention_for_training", lambda device: real_ctx(torch.device("cuda")))
+    monkeypatch.setattr(losses, "sdpa_without_cudnn", lambda device: real_ctx(torch.device("cuda")))
     feed = SyntheticFeed(target, batch_size=2)
     batch = next(iter(feed))
     cfg = HeadConfig.from_target_config(target.config, "peagle", draft_vocab_size=VD, aux_layer_ids=[1, 2, 3],

@@ -15,6 +15,7 @@ after rotary embedding.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -22,6 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HeadConfig
+
+
+def sdpa_without_cudnn(device: torch.device):
+    """A context in which SDPA on a GPU picks its memory-efficient (or math) kernel, never cuDNN's; a no-op off the
+    GPU. Its callers say why they want it (the runtime's prefills, every head's training forward)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class RMSNorm(nn.Module):

@@ -36,7 +36,7 @@ from torch import nn
 from specheads import kernels
 from specheads.errors import SpecheadsError
 from specheads.heads.config import rope_from_config  # one RoPE config parser and
-from specheads.heads.layers import rope_inv_freq     # one RoPE implementation for heads and engine
+from specheads.heads.layers import rope_inv_freq, sdpa_without_cudnn  # one RoPE for heads and engine
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,10 +189,9 @@ def prefill_attention(model: "TargetModel"):
     graphs. Only the prompt's own forward changes kernel, the same for a drafted and a plain run,
     so outputs stay identical between them. A compiled engine keeps what it traced (no switch
     under torch.compile)."""
-    if model.device.type != "cuda" or model.compiled:
+    if model.compiled:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return sdpa_without_cudnn(model.device)
 
 
 class KVCacheTooLarge(SpecheadsError, MemoryError):

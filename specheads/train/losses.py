@@ -34,14 +34,14 @@ length is ``τ = 1 + Σ_k Π_{j≤k} acc_j``.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.layers import causal_mask
+from specheads.heads.layers import causal_mask, sdpa_without_cudnn
 from specheads.heads.ttt import ttt_forward
 from specheads.kernels import soft_cross_entropy_shifted
 
@@ -272,23 +272,6 @@ def mtp_weights(recipe_head, num_depths: int, decay: float) -> list[float]:
     return [decay ** d for d in range(num_depths)]
 
 
-def masked_attention_for_training(device: torch.device):
-    """The attention kernels of a head's training forward on a GPU: memory-efficient or math, never cuDNN.
-
-    Heads call SDPA with an explicit mask (``heads.layers.Attention.attend``: EAGLE-1, MTP, P-EAGLE). With torch 2.11
-    on H100/H200, cuDNN's SDPA backward returns NaN query gradients for a masked call whose length is 64 mod 128
-    once a query row's logsumexp falls below ln(FLT_MAX) (pytorch/pytorch#196678); DeepSpeed's unfused optimizer
-    then reports an inf gradient norm. A P-EAGLE run on Qwen2.5-Coder-1.5B stopped that way (BENCHMARKS.md); that
-    this bug was its cause is suspected, not reproduced. The backward runs the kernel its forward chose, and a
-    compiled forward keeps the kernel the flags allowed when it was traced: the context is entered around every
-    call. (The runtime's ``prefill_attention`` makes the same switch for its own reason; train/ does not import
-    runtime/.)"""
-    if device.type != "cuda":
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 class Objective(nn.Module):
     """The module DeepSpeed trains: the head plus its loss. ``forward(batch, target_view) -> LossOutput``.
 
@@ -334,7 +317,13 @@ class Objective(nn.Module):
         return len(self.mtp_weights)
 
     def forward(self, batch: dict, tv: TargetView) -> LossOutput:
-        with masked_attention_for_training(batch["input_ids"].device):
+        # Heads call SDPA with an explicit mask (Attention.attend: EAGLE-1, MTP, P-EAGLE). With torch 2.11 on
+        # H100/H200, cuDNN's SDPA backward returns NaN query gradients for a masked call whose length is 64 mod 128
+        # once a query row's logsumexp falls below ln(FLT_MAX) (pytorch/pytorch#196678); DeepSpeed's unfused
+        # optimizer then reports an inf gradient norm. A P-EAGLE run on Qwen2.5-Coder-1.5B stopped that way
+        # (BENCHMARKS.md; this cause suspected, not reproduced). The backward runs the kernel its forward chose, and
+        # a compiled forward the kernel the flags allowed when traced: the context is entered around every call.
+        with sdpa_without_cudnn(batch["input_ids"].device):
             return self._loss(batch, tv)
 
     def _loss(self, batch: dict, tv: TargetView) -> LossOutput:
