@@ -226,7 +226,7 @@ def merge(summary: dict, earlier: dict, path: Path) -> None:
     origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine")}
     for kind, h in (earlier.get("heads") or {}).items():
         cur = summary["heads"].get(kind)
-        own = isinstance(cur, dict) and (cur.get("training") or any(isinstance(e, dict) for e in cur["evals"].values()))
+        own = isinstance(cur, dict) and (cur.get("training") or _evaluated(cur))
         if isinstance(h, dict) and not own:
             merged = h if "carried_over" in h else {"carried_over": origin, **h}
             if isinstance(cur, dict) and cur.get("runtime"):      # timed in this run: its rows win
@@ -236,6 +236,11 @@ def merge(summary: dict, earlier: dict, path: Path) -> None:
         summary["bandwidth"] = {"carried_over": origin, **earlier["bandwidth"]}
     if summary.get("model_free_runtime") is None and earlier.get("model_free_runtime"):
         summary["model_free_runtime"] = {"carried_over": origin, **earlier["model_free_runtime"]}
+
+
+def _evaluated(h: dict) -> bool:
+    """Whether a head's summary has any eval set measured."""
+    return any(isinstance(e, dict) for e in h["evals"].values())
 
 
 def _ev(summary: dict, kind: str, name: str):
@@ -342,7 +347,7 @@ def markdown(s: dict) -> str:
         if "carried_over" in h:
             kind = f"{kind} (from {h['carried_over'].get('date')})"
         div = (h.get("training") or {}).get("diverged")
-        if div and not any(isinstance(e, dict) for e in h["evals"].values()):
+        if div and not _evaluated(h):
             shape = f" (input_ids shape {div['input_ids_shape']})" if div.get("input_ids_shape") else ""
             lines.append(f"| {kind} | training diverged: {div.get('what')} at optimizer step {div.get('step')}{shape}; "
                          f"not evaluated | | | | | | | | | |")
@@ -391,7 +396,7 @@ def markdown(s: dict) -> str:
                          f"{m['flops_per_token']['total'] / 1e9:.2f} GFLOP a token (target forward "
                          f"{m['flops_per_token']['target_forward'] / 1e9:.2f}) = MFU {m['value']:.1%} of "
                          f"{m['peak_flops_per_s'] / 1e12:.3g} TFLOP/s ({m.get('device')}).")
-        if isinstance(h, dict) and h.get("time") and any(isinstance(e, dict) for e in h["evals"].values()):
+        if isinstance(h, dict) and h.get("time") and _evaluated(h):
             lines.append(f"\n{kind}: prompts → evaluated head {h['time']['seconds']} s, the sum of its stages "
                          f"({', '.join(h['time']['stages'])}).")
     lines += ["", "Goals:", ""]
