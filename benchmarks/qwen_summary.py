@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 from datetime import datetime, timezone
@@ -187,11 +188,24 @@ def stage_seconds(stages: dict, kind: str) -> dict:
             "wall_s": (stages.get(f"prompts_to_eval_{kind}") or {}).get("seconds")}
 
 
+def run_device(timeline_file: Path | None) -> str | None:
+    """The GPU the stages ran on: the ``name, memory MiB`` line gpu_qwen.sh writes under its first line."""
+    if timeline_file is None or not Path(timeline_file).exists():
+        return None
+    for line in Path(timeline_file).read_text().splitlines():
+        m = re.fullmatch(r"(.+), \d+ MiB", line.strip())
+        if m:
+            return m.group(1)
+    return None
+
+
 def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None, runtimes: dict) -> dict:
     data = run / "data"
     rows = _load(data / "rows" / "summary.json")
     bandwidth = _load(bandwidth_file)
+    # "machine" is where this summary was written; "run_device" where the stages ran (gpu_qwen.sh's nvidia-smi line)
     out = {"title": TITLE, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+           "run_device": run_device(timeline_file),
            "data": {"synthesize": _load(data / "synthesize_summary.json"),
                     "regenerate": _load(data / "regenerate_summary.json"), "rows": rows},
            "code_holdout": _load(data / "code_holdout.summary.json"), "eval_sets": SETS,
@@ -223,7 +237,10 @@ def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None
 
 
 def merge(summary: dict, earlier: dict, path: Path) -> None:
-    origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine")}
+    # the rows an earlier head trained on: a run of other data sizes makes its τ no like-for-like comparison
+    rows = ((earlier.get("data") or {}).get("rows") or {})
+    origin = {"file": str(path), "date": earlier.get("date"), "machine": earlier.get("machine"),
+              "run_device": earlier.get("run_device"), "rows": rows.get("rows"), "tokens": rows.get("tokens")}
     for kind, h in (earlier.get("heads") or {}).items():
         cur = summary["heads"].get(kind)
         own = isinstance(cur, dict) and (cur.get("training") or _evaluated(cur))
@@ -326,7 +343,8 @@ def goals(summary: dict) -> dict:
     t = (h.get("time") or {}).get("seconds") if isinstance(h, dict) else None
     done = isinstance(h, dict) and all(isinstance(v, dict) for v in h["evals"].values())
     g[f"prompts_to_evaluated_head<={BUDGET_S}s"] = ({"value": t, "met": t <= BUDGET_S,
-                                                      "device": summary["machine"].get("gpu", "cpu")} if t and done
+                                                      "device": summary.get("run_device")
+                                                      or summary["machine"].get("gpu", "cpu")} if t and done
                                                      else "not run (some stage missing)")
     g.update(speed_goals(summary))
     return g
@@ -345,7 +363,9 @@ def markdown(s: dict) -> str:
             lines.append(f"| {kind} | not run | | | | | | | | | |")
             continue
         if "carried_over" in h:
-            kind = f"{kind} (from {h['carried_over'].get('date')})"
+            co = h["carried_over"]
+            rows = f", {co['rows']:,} rows" if co.get("rows") else ""
+            kind = f"{kind} (from {co.get('date')}{rows})"
         div = (h.get("training") or {}).get("diverged")
         if div and not _evaluated(h):
             shape = f" (input_ids shape {div['input_ids_shape']})" if div.get("input_ids_shape") else ""

@@ -356,7 +356,11 @@ def test_qwen_summary_tabulates_and_judges_what_was_measured(tmp_path):
     rt = json.loads(free.read_text())
     rt["rows"][1].update(lossless=False, sequences_differing=2, first_difference=64, decode_speedup=1.4)
     free.write_text(json.dumps(rt))
-    s = mod.summarize(run, None, None, {"model_free": free, "eagle3": head})
+    timeline = tmp_path / "timeline.txt"
+    timeline.write_text("[10:07:14] gpu_qwen.sh KIND=eagle3 DEVICE=cuda\nNVIDIA H100 80GB HBM3, 81559 MiB\n"
+                        "/dev/vda        252G   19G   62G  23% /\n[10:09:09] end target rc=0 115s\n")
+    s = mod.summarize(run, timeline, None, {"model_free": free, "eagle3": head})
+    assert s["run_device"] == "NVIDIA H100 80GB HBM3"      # where the stages ran, not where this summary is written
     s["goals"] = mod.goals(s)
     g = s["goals"]
     assert g["best_head_speedup_batch1>=2.5"] == {"value": 2.7, "met": True, "drafter": "eagle3: head (eagle3)"}
@@ -407,7 +411,8 @@ def test_qwen_summary_says_a_head_diverged_and_keeps_the_untrained_eval_out(tmp_
     rt = tmp_path / "bench_runtime_peagle.json"
     rt.write_text(json.dumps(_runtime([("compiled", 1, "plain", 1.0, 200.0, 1.0, True),
                                        ("compiled", 1, "head (peagle)", 2.0, 300.0, 1.5, True)], [])))
-    earlier = {"heads": {"peagle": {"training": {"steps": 400}, "evals": {"mixed": {"tau": 2.1}}, "runtime": None}}}
+    earlier = {"heads": {"peagle": {"training": {"steps": 400}, "evals": {"mixed": {"tau": 2.1}}, "runtime": None}},
+               "date": "2026-12-07 07:54 UTC", "data": {"rows": {"rows": 4562, "tokens": 1362757}}}
     timed = tmp_path / "timed"
     timed.mkdir()
     later = mod.summarize(timed, None, None, {"peagle": rt})
@@ -415,6 +420,11 @@ def test_qwen_summary_says_a_head_diverged_and_keeps_the_untrained_eval_out(tmp_
     h = later["heads"]["peagle"]
     assert h["training"] == {"steps": 400} and h["evals"]["mixed"]["tau"] == 2.1
     assert [r["drafter"] for r in h["runtime"]["rows"]] == ["plain", "head (peagle)"]
+    # the earlier head's rows are named beside it: a run of another data size is no like-for-like comparison
+    assert h["carried_over"]["rows"] == 4562
+    h["evals"] = {"mixed": "not run"}        # the fixture's eval has a τ alone, not a report's full table
+    later["goals"] = mod.goals(later)
+    assert "| peagle (from 2026-12-07 07:54 UTC, 4,562 rows) | mixed: not run |" in mod.markdown(later)
 
 
 def test_bench_runtime_says_where_drafted_output_left_plain_decoding():

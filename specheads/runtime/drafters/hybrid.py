@@ -84,6 +84,7 @@ class HybridDrafter(Drafter):
         self.score_decay = float(score_decay)
         self.score: torch.Tensor | None = None        # [B, 2] running (n-gram, head) acceptance, adaptive rule
         self._last = None                             # both proposals of the last step, for hybrid_score
+        self._proposed = False                        # whether the next update verifies a proposal of ours
         self.aux_layer_ids = tuple(getattr(head_drafter, "aux_layer_ids", ()) or ())
         self.needs_final = bool(getattr(head_drafter, "needs_final", False))
         self.provides_probs = bool(getattr(head_drafter, "provides_probs", False))
@@ -110,8 +111,9 @@ class HybridDrafter(Drafter):
         if units:
             if hasattr(self.ngram, "compile"):
                 self.ngram.compile(**compile_kwargs)
-            self._choose = torch.compile(hybrid_choice, dynamic=False)
-            self._score = torch.compile(hybrid_score, dynamic=False)
+            kw = {"dynamic": False, **compile_kwargs}
+            self._choose = torch.compile(hybrid_choice, **kw)
+            self._score = torch.compile(hybrid_score, **kw)
         return self
 
     def check_target(self, vocab_size: int) -> None:
@@ -132,6 +134,9 @@ class HybridDrafter(Drafter):
         self.score.zero_()
         if self._last is not None:
             self._last[4].zero_()           # nothing proposed yet in this generation
+        # the prefill's update carries the prompt, not a verification: scoring it would change nothing (nothing
+        # is eligible) but would run the compiled score at the prompt's width, a recompile every new width
+        self._proposed = False
 
     def _last_bufs(self, B: int, k: int, dev) -> tuple:
         key = ("last", B, k, str(dev))
@@ -149,7 +154,8 @@ class HybridDrafter(Drafter):
             self._last[4][rows] = False  # its row's last proposals were the previous request's
 
     def update(self, v: Verified) -> None:
-        if self.adaptive and self._last is not None and self._last[0].shape[0] == v.next_tokens.shape[0]:
+        if self.adaptive and self._proposed and self._last is not None \
+                and self._last[0].shape[0] == v.next_tokens.shape[0]:
             self._score(self.score, self._last, v.next_tokens, v.count, self.score_decay)
         self.head.update(v)
         self.ngram.update(v)
@@ -165,6 +171,7 @@ class HybridDrafter(Drafter):
         ml = pn.match_len.to(dev) if pn.match_len is not None else torch.zeros_like(nn_)
         if self.adaptive:
             self._last = self._last_bufs(nt.shape[0], k, dev)
+            self._proposed = True
         tokens, num, use = self._choose(nt, nn_, ml, ph.tokens[:, :k], ph.num, ctx.active_mask, self.counts,
                                         self.use_ngram, self.min_match, self.score if self.adaptive else None,
                                         self._last if self.adaptive else None)
