@@ -122,6 +122,43 @@ def test_spec_factor_scales_the_draft_with_the_match(factor, k, want):
     assert tree.speculate(seq, k, max_spec_factor=factor).tokens == want
 
 
+def _speculate_every_match(tree: SuffixTree, context, max_tokens, factor, min_prob):
+    """The draft rule as the module states it: every match length until one does not occur."""
+    best = None
+    for m in range(1, len(context)):
+        found = tree.match(context[len(context) - m:])
+        if found is None:
+            break
+        d = SuffixTree._follow(*found, min(max_tokens, int(m * factor + 1e-6)), min_prob)
+        if d.tokens and (best is None or d.score >= best.score):
+            best, best.match_len = d, m
+    return best
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 40])
+def test_speculate_stopping_at_a_match_that_ends_its_sequence_changes_nothing(vocab):
+    """speculate stops once the match's one occurrence ends its sequence (the context's own end, most
+    often), where the stated rule tries every longer match: the drafts are the same, token for token,
+    with the same probabilities and match lengths."""
+    rng = random.Random(vocab)
+    for depth, k, factor, min_prob in [(24, 3, 1.0, 0.1), (6, 5, 2.0, 0.0), (12, 4, 0.5, 0.3)]:
+        tree, seqs = SuffixTree(depth), [[] for _ in range(4)]
+        for _ in range(300):
+            i = rng.randrange(4)
+            t = rng.randrange(vocab)
+            seqs[i].append(t)
+            tree.append(i, t)
+            # the row's own context (its end indexed, as in a local tree) and a slice from inside a sequence
+            # (its occurrence goes on, as a prompt's pattern in the global tree of earlier responses)
+            j = rng.randrange(4)
+            a = rng.randrange(len(seqs[j]) + 1)
+            for ctx in (seqs[i][-depth:], seqs[j][max(0, a - depth):a] + [rng.randrange(vocab)] * (a % 2)):
+                got, want = tree.speculate(ctx, k, factor, min_prob), _speculate_every_match(tree, ctx, k, factor,
+                                                                                           min_prob)
+                assert (got.tokens, got.probs, got.score, got.match_len) == \
+                    ((want.tokens, want.probs, want.score, want.match_len) if want else ([], [], 0.0, 0))
+
+
 def test_tree_depth_bounds_match_plus_draft():
     rep = [5, 6, 7, 8, 9] * 3 + [5, 6, 7]
     tree = SuffixTree(max_depth=4)
@@ -193,6 +230,8 @@ def test_drafter_rows_start_stop_and_reset_on_admit():
     ctx.tokens[0, 6:8] = torch.tensor([1, 2])                # row 0 emits "1 2" and finishes
     ctx.lengths[0], ctx.active_mask[0] = 8, False
     d.update(Verified(start=torch.tensor([5, 3]), count=torch.tensor([2, 0]), next_tokens=toks[:, :3]))
+    assert len(d.cache.local_trees) == 2         # a step's update (maybe inside a CUDA graph) reads nothing back
+    d.host_step(ctx, 3)                          # the engine's call between steps: the trees take the step in
     assert len(d.cache.local_trees) == 1 and d.cache.global_tree.count((3, 1, 2)) == 1
     assert d.propose(ctx, 3).num.tolist() == [0, 0]
     ctx.tokens[0, :6] = torch.tensor([9, 1, 2, 8, 1, 2])     # a new request takes row 0: prompt + first token
@@ -212,10 +251,12 @@ def test_make_drafter_suffix_and_hybrid_free_half():
     s = make_drafter("suffix", suffix_decoding_max_tree_depth=8, suffix_decoding_max_cached_requests=3,
                      suffix_decoding_max_spec_factor=2.0, suffix_decoding_min_token_prob=0.3)
     assert (s.max_tree_depth, s.max_cached_requests, s.max_spec_factor, s.min_token_prob) == (8, 3, 2.0, 0.3)
-    assert not s.graph_safe and not s.provides_probs
+    # its trees are served between steps (host_step), so its steps, and a hybrid's, are captured in graphs
+    assert s.graph_safe and s.has_host_step and not s.provides_probs
     head = _head("eagle3", 48)
     hyb = make_drafter("hybrid", head, free="suffix", min_match=2)
-    assert isinstance(hyb, HybridDrafter) and isinstance(hyb.ngram, SuffixDrafter) and not hyb.graph_safe
+    assert isinstance(hyb, HybridDrafter) and isinstance(hyb.ngram, SuffixDrafter) and hyb.graph_safe
+    assert hyb.has_host_step and not make_drafter("hybrid", head).has_host_step
     assert hyb.choice_counts() == {"suffix": 0, "head": 0}
     plain_hybrid = make_drafter("hybrid", head)                # the n-gram half, as before
     assert isinstance(plain_hybrid.ngram, NGramDrafter) and plain_hybrid.choice_counts() == {"ngram": 0, "head": 0}

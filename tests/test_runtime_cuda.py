@@ -6,8 +6,8 @@ Skipped without CUDA."""
 import pytest
 import torch
 
-from specheads.runtime.drafters import (Eagle3Drafter, HybridDrafter, NGramDrafter, drafter_for_head, make_drafter,
-                                        ngram_match)
+from specheads.runtime.drafters import (Eagle3Drafter, HybridDrafter, NGramDrafter, SuffixDrafter, drafter_for_head,
+                                        make_drafter, ngram_match)
 from specheads.runtime.engines.continuous import Request, generate_continuous
 from specheads.runtime.engines.static import Generation, generate
 from specheads.runtime.model import TargetModel
@@ -53,6 +53,11 @@ def _kw(mode):
         kw.update(drafter=drafter_for_head(_head(mode).cuda()), k=2)
     elif mode == "hybrid":
         kw.update(drafter=make_drafter("hybrid", _head("eagle3", 48).cuda(), min_match=2), k=3)
+    elif mode == "suffix":          # no cache of responses: every run drafts alike
+        kw.update(drafter=SuffixDrafter(max_cached_requests=0), k=3)
+    elif mode == "hybrid_suffix":
+        kw.update(drafter=HybridDrafter(Eagle3Drafter(_head("eagle3", 48).cuda()), SuffixDrafter(max_cached_requests=0),
+                                        min_match=2), k=3)
     elif mode == "sampled":
         kw.update(drafter=NGramDrafter(1, 3), k=3, rule="onehot", **sampled)
     elif mode == "plain_sampled":
@@ -61,7 +66,7 @@ def _kw(mode):
 
 
 MODES = ["plain", "plain_sampled", "ngram", "ngram_host", "eagle3", "eagle3_tree", "eagle3_rejection",
-         "eagle3_tree_sampled", "eagle1", "mtp", "hybrid", "sampled"]
+         "eagle3_tree_sampled", "eagle1", "mtp", "hybrid", "sampled", "suffix", "hybrid_suffix"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -84,9 +89,11 @@ def test_cuda_graphs_match_eager(cuda_llama, mode):
         assert eager.tokens == generate(m, prompts, 20, stop_token_ids=()).tokens
 
 
-@pytest.mark.parametrize("mode", ["plain", "ngram", "eagle3", "eagle3_tree", "eagle3_rejection", "hybrid", "mtp"])
+@pytest.mark.parametrize("mode", ["plain", "ngram", "eagle3", "eagle3_tree", "eagle3_rejection", "hybrid", "mtp",
+                                  "suffix", "hybrid_suffix"])
 def test_eager_steps_never_sync(cuda_llama, mode):
-    """torch's sync debug mode raises on any host sync inside a step (what capture needs)."""
+    """torch's sync debug mode raises on any host sync inside a step (what capture needs); suffix
+    decoding's trees are served between steps (host_step), outside it."""
     _, m = cuda_llama
     gen = Generation(m, PROMPTS, 12, **_kw(mode))
     gen.prefill()
@@ -202,7 +209,7 @@ def test_continuous_batching_graphs_equal_eager(cuda_llama, temperature):
     assert run(True, False)[0] == eager
 
 
-@pytest.mark.parametrize("kind", ["ngram", "eagle3", "hybrid"])
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "hybrid", "suffix", "hybrid_suffix"])
 def test_continuous_batching_with_a_drafter_graphs_equal_eager(cuda_llama, kind):
     """Drafted continuous batching on a GPU: whole speculative steps replayed from their graphs
     while slots are refilled (the head's admitted first pass runs between replays) give the eager
@@ -217,7 +224,12 @@ def test_continuous_batching_with_a_drafter_graphs_equal_eager(cuda_llama, kind)
         ng = NGramDrafter(1, 4, backend="device")
         if kind == "ngram":
             return ng
+        sd = SuffixDrafter(max_cached_requests=0)        # no cache of responses: every run drafts alike
+        if kind == "suffix":
+            return sd
         hd = drafter_for_head(_head("eagle3", draft_vocab=48).cuda())
+        if kind == "hybrid_suffix":
+            return HybridDrafter(hd, sd, min_match=1)
         return HybridDrafter(hd, ng, min_match=1) if kind == "hybrid" else hd
 
     def run(engine, d, graphs):
@@ -234,7 +246,8 @@ def test_continuous_batching_with_a_drafter_graphs_equal_eager(cuda_llama, kind)
     graphed, fwd_g, stats = run(m, drafter(), True)
     assert (graphed, fwd_g) == (eager, fwd) and stats["failed"] == 0 and stats["replayed"] > stats["captured"] > 0
     mc = TargetModel.from_hf(hf, max_batch=4, max_seq=160).compile_layers()
-    compiled, fwd_c, stats = run(mc, drafter().compile(), True)
+    d = drafter()
+    compiled, fwd_c, stats = run(mc, d.compile() if hasattr(d, "compile") else d, True)   # suffix: nothing to compile
     assert (compiled, fwd_c) == (eager, fwd) and stats["failed"] == 0
 
 

@@ -22,6 +22,11 @@ Protocol (duck-typed; subclass ``Drafter`` for the defaults):
   engine then captures whole speculative steps in CUDA graphs and never syncs per step
   for the drafter. Drafters that read the host view (the CPU n-gram reference, the
   standalone draft model, custom drafters) run eagerly with one host sync per step.
+- ``has_host_step`` / ``host_step(ctx, k)``: a drafter whose proposals come from host state
+  (suffix decoding's trees) and is still ``graph_safe``: the engine calls ``host_step`` after the
+  prefill, after new rows are admitted and after every step, outside any graph (one host sync);
+  it takes in what the rows emitted and writes the next proposals into device buffers that
+  ``propose`` returns, so the step itself, the head of a hybrid included, runs in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ class Drafter:
     supports_tree: bool = False
     provides_probs: bool = False
     graph_safe: bool = False
+    has_host_step: bool = False
 
     def check_target(self, vocab_size: int) -> None:
         pass
@@ -118,6 +124,9 @@ class Drafter:
         pass
 
     def update(self, v: Verified) -> None:
+        pass
+
+    def host_step(self, ctx: DraftContext, k: int) -> None:
         pass
 
     def admit(self, rows: torch.Tensor, v: Verified) -> None:

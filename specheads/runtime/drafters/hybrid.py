@@ -66,8 +66,9 @@ class HybridDrafter(Drafter):
     in the last ``generate`` call. Chains only.
 
     The free side (``ngram_drafter``) is an n-gram drafter unless given: a ``SuffixDrafter``
-    takes its place as is (its ``match_len`` is the length of the suffix match it continues),
-    and the hybrid is then not graph-safe (the suffix trees live on the host)."""
+    takes its place as is (its ``match_len`` is the length of the suffix match it continues); its
+    trees live on the host and are served between steps (``host_step``), so the step, the head's
+    drafts included, is still captured in a CUDA graph."""
 
     supports_tree = False
 
@@ -97,6 +98,15 @@ class HybridDrafter(Drafter):
     @property
     def graph_safe(self) -> bool:
         return bool(getattr(self.head, "graph_safe", False) and getattr(self.ngram, "graph_safe", False))
+
+    @property
+    def has_host_step(self) -> bool:
+        return any(getattr(d, "has_host_step", False) for d in (self.head, self.ngram))
+
+    def host_step(self, ctx: DraftContext, k: int) -> None:
+        for d in (self.head, self.ngram):
+            if getattr(d, "has_host_step", False):
+                d.host_step(ctx, k)
 
     @property
     def admits_rows(self) -> bool:

@@ -207,6 +207,14 @@ class SuffixTree:
             draft = self._follow(*found, n, min_token_prob)
             if draft.tokens and draft.score >= best.score:
                 best, best.match_len = draft, m
+            node, idx = found
+            if node.count == 1 and idx == node.length and not node.children:
+                # its one occurrence ends its sequence (m < max_depth: a suffix is indexed past it if there is
+                # more). A longer pattern occurs there or nowhere, so no longer match drafts anything. The
+                # context's own end is such an occurrence: without this the loop runs to the context's length,
+                # and its O(len²) walks were most of a row's host time (benchmarks/bench_suffix.py: 86 -> 24 µs
+                # a row and step on new_codealpaca's answers, CPU)
+                break
         return best
 
     @staticmethod
@@ -289,15 +297,20 @@ class SuffixDrafter(Drafter):
     Proposals carry ``match_len`` (for the hybrid's choice); drafts are one-hot (rule 'onehot' when
     sampling).
 
-    The trees live on the host. After the prompt and after every step the drafter reads what the
-    rows emitted from the engine's token buffer (``ctx.tokens`` / ``ctx.lengths``: one host sync),
-    so it is not ``graph_safe``: the static engine runs its steps eagerly, the target forward in its
-    per-forward graphs. A row's request starts with its prompt (``generate``'s first update, or
-    ``admit`` when a request takes the row over) and stops once the row is inactive, its response
-    staying cached. ``admits_rows``: ``ContinuousGeneration`` takes it although it is not graph-safe,
-    running its steps eagerly. ``clear()`` forgets every request and response, as a new engine would."""
+    The trees live on the host, so the host work is the engine's ``host_step`` call, between steps:
+    it reads what the rows emitted from the engine's token buffer (``ctx.tokens`` / ``ctx.lengths``:
+    one host sync), speculates every live row and writes the drafts into device buffers of fixed
+    shape [B, k]. Inside the step ``propose`` returns those buffers and ``update`` only notes that
+    they are out of date, so the step is ``graph_safe``: the static and continuous engines capture
+    it in a CUDA graph, a hybrid's head included. (A caller that never runs ``host_step`` still gets
+    fresh drafts: ``propose`` runs it itself when the buffers are out of date, eagerly.) A row's
+    request starts with its prompt (``generate``'s first update, or ``admit`` when a request takes
+    the row over) and stops once the row is inactive, its response staying cached. ``clear()``
+    forgets every request and response, as a new engine would."""
 
     admits_rows = True      # admit() restarts a row's request: continuous batching may hand rows over
+    graph_safe = True       # in the step only device buffers; the trees are served by host_step
+    has_host_step = True
 
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1):
@@ -316,11 +329,16 @@ class SuffixDrafter(Drafter):
         self._prompt_len: list[int] = []
         self._requests = 0                     # request ids handed out
         self._prompt_update = False            # the next update carries the batch's prompts
+        self._bufs: dict = {}                  # per (batch, k, device): [B, k + 2] drafts, num, match_len;
+                                               # never freed: captured steps read them
+        self._out: torch.Tensor | None = None  # the buffer host_step wrote last
+        self._stale = True                     # a step or a new request since: the buffer is out of date
 
     def clear(self) -> None:
         """Forget every request and cached response: the state of a new engine."""
         self.cache = SuffixCache(self.max_tree_depth, self.max_cached_requests)
         self._req = [None] * len(self._req)
+        self._stale = True
 
     def start(self, ctx: DraftContext) -> None:
         for req in self._req:                  # the last call's requests are over; their responses stay
@@ -329,17 +347,35 @@ class SuffixDrafter(Drafter):
         B = ctx.batch
         self._ctx, self._req, self._fed, self._prompt_len = ctx, [None] * B, [0] * B, [0] * B
         self._prompt_update = True
+        self._stale = True
 
     def update(self, v: Verified) -> None:
-        if self._prompt_update:                # generate's first update: every row's prompt (start 0)
+        if self._prompt_update:                # generate's first update (the prefill, eager): the prompts
             self._prompt_update = False
             self._pull(dict(enumerate(v.count.tolist())))
-        else:
-            self._pull({})
+        self._stale = True                     # a step's update (maybe captured): host_step reads what it emitted
 
     def admit(self, rows: torch.Tensor, v: Verified) -> None:
         self._prompt_update = False            # continuous batching: prompts come through admit
         self._pull(dict(zip(rows.tolist(), v.count.tolist())))
+        self._stale = True
+
+    def host_step(self, ctx: DraftContext, k: int) -> None:
+        """Between steps, on the host: take in what every live row emitted, then each row's draft into the
+        [B, k] device buffer ``propose`` returns (one copy)."""
+        self._pull({})
+        B, D = ctx.batch, self.max_tree_depth
+        drafts = [SuffixDraft() if req is None else
+                  self.cache.speculate(req, self.cache.tokens(req)[-D:], k, self.max_spec_factor, self.min_token_prob)
+                  for req in self._req]
+        host = torch.tensor([d.tokens + [0] * (k - len(d.tokens)) + [len(d.tokens), d.match_len] for d in drafts],
+                            dtype=torch.long).view(B, k + 2)
+        key = (B, k, str(ctx.device))
+        if key not in self._bufs:
+            self._bufs[key] = torch.zeros(B, k + 2, dtype=torch.long, device=ctx.device)
+        self._out = self._bufs[key]
+        self._out.copy_(host)
+        self._stale = False
 
     def _pull(self, new: dict[int, int]) -> None:
         """Give the cache what each live row emitted since the last pull, after starting the requests
@@ -371,17 +407,10 @@ class SuffixDrafter(Drafter):
                 self._req[b] = None
 
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
-        B, D = ctx.batch, self.max_tree_depth
-        drafts = [SuffixDraft() if req is None else
-                  self.cache.speculate(req, self.cache.tokens(req)[-D:], k, self.max_spec_factor, self.min_token_prob)
-                  for req in self._req]
-        W = max([len(d.tokens) for d in drafts] + [0])
-        toks = torch.zeros(B, W, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            toks[b, :len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.long)
-        num = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
-        match_len = torch.tensor([d.match_len for d in drafts], dtype=torch.long)
-        return Proposal(toks.to(ctx.device), num.to(ctx.device), None, match_len.to(ctx.device))
+        if self._stale or self._out is None or self._out.shape != (ctx.batch, k + 2):
+            self.host_step(ctx, k)             # no engine ran it (a caller of its own): eagerly, here
+        out = self._out
+        return Proposal(out[:, :k], out[:, k], None, out[:, k + 1])
 
 
 def forget_responses(drafter) -> None:

@@ -360,6 +360,7 @@ class ContinuousGeneration(Generation):
         if self.drafter is not None:
             self.drafter.admit(rows, Verified(start=torch.zeros_like(lens), count=lens, next_tokens=ws.hist[rows, 1:T + 1],
                                               aux=out.aux, final=out.final))
+            self._host_step()
         self.stats["requests"] += len(reqs)
         self.stats["prefills"] += 1
 

@@ -15,7 +15,9 @@ of two for graphs (>= KV_BUCKET_MIN) or to 16 eagerly. A shape that was not capt
 (new k, tree, width) is captured on first use after running eagerly once; a step that
 cannot be captured runs eagerly (``GenerateResult.graph_stats['failed']``) - never a wrong
 result. Drafters that read the host view (``ctx.histories``) run eagerly with one sync per
-step, with the target forward in the engine's per-forward graphs.
+step, with the target forward in the engine's per-forward graphs. A drafter with host state
+that is still graph-safe (suffix decoding, alone or as a hybrid's free half) does its host work
+between steps (``_host_step``: one sync a step) and the step itself replays as a graph.
 """
 
 from __future__ import annotations
@@ -89,21 +91,30 @@ class StepLauncher:
 
     def _launch(self) -> None:
         """Run one step: replay its captured graph, or run it eagerly (and capture it, the first
-        time a shape is seen)."""
+        time a shape is seen); then the drafter's host work for the next step, if it has any."""
         if not self.capture:
             self.stats["eager"] += 1
             self.step()
+            self._host_step()
             return
         key = self._graph_key()
         entry = self.ws.graphs.get(key)
         if entry is not None and entry[0] is not _FAILED:
             entry[0].replay()
             self.stats["replayed"] += 1
+            self._host_step()
             return
         self.stats["eager"] += 1
         self.step()                     # the real step (it also compiles kernels and warms cuBLAS up)
+        self._host_step()               # before the capture: the captured step reads the proposals it wrote
         if entry is None:
             self.ws.graphs[key] = self._capture()
+
+    def _host_step(self) -> None:
+        """A drafter with host state (suffix decoding) takes in what the rows emitted and writes its next
+        proposals into its device buffers (``Drafter.host_step``): one host sync, outside any graph."""
+        if self.drafter is not None and getattr(self.drafter, "has_host_step", False):
+            self.drafter.host_step(self.ctx, self.k)
 
     def _capture(self):
         """Capture ``step()`` (nothing runs while capturing: the state is untouched)."""

@@ -317,6 +317,7 @@ class Generation(StepLauncher):
             self.ctx.kv_len = T
             self.drafter.update(Verified(start=torch.zeros(B, dtype=torch.long, device=dev), count=lens,
                                          next_tokens=ws.hist[:, 1:T + 1], aux=out.aux, final=out.final))
+            self._host_step()
         self.graph_safe = self.drafter is None or bool(getattr(self.drafter, "graph_safe", False))
         self.capture = self.use_graphs and self.graph_safe
         self.inner_graphs = self.use_graphs and not self.graph_safe
