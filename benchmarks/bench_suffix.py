@@ -23,20 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specheads.runtime.drafters.suffix import SuffixCache, SuffixTree  # noqa: E402
-
-
-def every_match(tree: SuffixTree, context, max_tokens, factor, min_prob):
-    """SuffixDecoding's rule as stated: every match length until one does not occur."""
-    best = None
-    for m in range(1, len(context)):
-        found = tree.match(context[len(context) - m:])
-        if found is None:
-            break
-        d = SuffixTree._follow(*found, min(max_tokens, int(m * factor + 1e-6)), min_prob)
-        if d.tokens and (best is None or d.score >= best.score):
-            best, best.match_len = d, m
-    return best
+from specheads.runtime.drafters.suffix import SuffixCache  # noqa: E402
 
 
 def load_pairs(path: Path, tokenizer, limit: int):
@@ -75,11 +62,11 @@ def run(pairs, batch: int, k: int, new_tokens: int, seed: int = 0) -> dict:
                 pattern = cache.tokens(req)[-24:]
                 got = cache.speculate(req, pattern, k)
                 t2 = time.perf_counter()
-                local = every_match(cache.local_trees[req], pattern, k, 1.0, 0.1)
-                other = every_match(cache.global_tree, pattern, k, 1.0, 0.1)
-                want = other if other is not None and (local is None or other.score > local.score) else local
+                local = cache.local_trees[req].speculate_every_match(pattern, k)
+                other = cache.global_tree.speculate_every_match(pattern, k)
+                want = other if other.score > local.score else local      # SuffixCache.speculate's choice
                 t3 = time.perf_counter()
-                if (got.tokens, got.match_len) != ((want.tokens, want.match_len) if want else ([], 0)):
+                if (got.tokens, got.match_len) != (want.tokens, want.match_len):
                     raise SystemExit(f"request {req}: drafts differ from the stated rule: {got} vs {want}")
                 t["take_in"] += t1 - t0
                 t["speculate"] += t2 - t1

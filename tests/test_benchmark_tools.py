@@ -437,3 +437,28 @@ def test_bench_runtime_says_where_drafted_output_left_plain_decoding():
         "lossless": False, "sequences_differing": 1, "first_difference": 2}
     assert identity([[1, 2], [0, 6, 7, 8], [9, 9, 9]], plain) == {
         "lossless": False, "sequences_differing": 2, "first_difference": 0}
+
+
+def test_bench_suffix_replays_answers_and_checks_every_draft(tmp_path):
+    """bench_suffix.py: the answers of a prompt file replayed as generation feeds them, each draft checked
+    against the stated rule (an unequal one stops the run), the host time per row and step reported; a row
+    without answer text is refused, naming the file and row."""
+    mod = _load("bench_suffix")
+
+    class Words:                      # a tokenizer stand-in: one id per word
+        def __init__(self):
+            self.ids = {}
+
+        def encode(self, text):
+            return [self.ids.setdefault(w, len(self.ids)) for w in text.split()]
+
+    rows = [{"question": f"q {i} add the numbers", "answer": "the sum of a and b is a plus b so a plus b " * (i + 2)}
+            for i in range(6)]
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = mod.load_pairs(data, Words(), 6)
+    r = mod.run(pairs, batch=4, k=3, new_tokens=40)
+    assert r["row_steps"] > 0 and r["speculate_us"] > 0 and r["every_match_us"] > 0
+    data.write_text(json.dumps({"question": "no answer"}) + "\n")
+    with pytest.raises(SystemExit, match="qa.jsonl: row 0"):
+        mod.load_pairs(data, Words(), 6)

@@ -122,19 +122,6 @@ def test_spec_factor_scales_the_draft_with_the_match(factor, k, want):
     assert tree.speculate(seq, k, max_spec_factor=factor).tokens == want
 
 
-def _speculate_every_match(tree: SuffixTree, context, max_tokens, factor, min_prob):
-    """The draft rule as the module states it: every match length until one does not occur."""
-    best = None
-    for m in range(1, len(context)):
-        found = tree.match(context[len(context) - m:])
-        if found is None:
-            break
-        d = SuffixTree._follow(*found, min(max_tokens, int(m * factor + 1e-6)), min_prob)
-        if d.tokens and (best is None or d.score >= best.score):
-            best, best.match_len = d, m
-    return best
-
-
 @pytest.mark.parametrize("vocab", [2, 5, 40])
 def test_speculate_stopping_at_a_match_that_ends_its_sequence_changes_nothing(vocab):
     """speculate stops once the match's one occurrence ends its sequence (the context's own end, most
@@ -153,10 +140,10 @@ def test_speculate_stopping_at_a_match_that_ends_its_sequence_changes_nothing(vo
             j = rng.randrange(4)
             a = rng.randrange(len(seqs[j]) + 1)
             for ctx in (seqs[i][-depth:], seqs[j][max(0, a - depth):a] + [rng.randrange(vocab)] * (a % 2)):
-                got, want = tree.speculate(ctx, k, factor, min_prob), _speculate_every_match(tree, ctx, k, factor,
-                                                                                           min_prob)
+                got, want = tree.speculate(ctx, k, factor, min_prob), tree.speculate_every_match(ctx, k, factor,
+                                                                                                 min_prob)
                 assert (got.tokens, got.probs, got.score, got.match_len) == \
-                    ((want.tokens, want.probs, want.score, want.match_len) if want else ([], [], 0.0, 0))
+                    (want.tokens, want.probs, want.score, want.match_len)
 
 
 def test_tree_depth_bounds_match_plus_draft():

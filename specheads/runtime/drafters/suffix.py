@@ -217,6 +217,20 @@ class SuffixTree:
                 break
         return best
 
+    def speculate_every_match(self, context, max_tokens: int, max_spec_factor: float = 1.0,
+                              min_token_prob: float = 0.1) -> SuffixDraft:
+        """The reference ``speculate`` is checked against (tests, ``benchmarks/bench_suffix.py``): the rule as
+        SuffixDecoding states it, every longer match until one does not occur, without the early stop."""
+        best = SuffixDraft()
+        for m in range(1, len(context)):
+            found = self.match(context[len(context) - m:])
+            if found is None:
+                break
+            draft = self._follow(*found, min(max_tokens, int(m * max_spec_factor + 1e-6)), min_token_prob)
+            if draft.tokens and draft.score >= best.score:
+                best, best.match_len = draft, m
+        return best
+
     @staticmethod
     def _follow(node: _Node, idx: int, max_tokens: int, min_token_prob: float) -> SuffixDraft:
         """Up to ``max_tokens`` tokens from ``idx`` in ``node``'s edge on, taking the most frequent child
