@@ -26,11 +26,11 @@ runs one kind of decoding: the in-process rows share a process whose graphed ste
 had been captured (H200, 2026-12-04). Rows are compared across the processes (speedup, outputs); the Inductor and
 Triton caches are shared, so only the first process compiles from scratch.
 
-``--serve N``: serving as well, at every --batches size above 1: the first N prompts of
+``--serve N``: serving as well, at every --batches size (concurrency 1 too): the first N prompts of
 ``--serve-prompts`` (default the mixed eval set, 152 prompts in 7 categories) as a stream of
 requests through B slots with continuous batching (``generate_continuous``: a finished request's
 slot takes the next one at once, as in a server; stops at EOS), plain and with each drafter (suffix
-decoding and its hybrid run their steps eagerly there: their trees live on the host). A
+decoding's trees live on the host and are served between steps, the steps themselves in graphs). A
 static batch runs until its slowest row is done, so a drafter's τ there overstates what the batch
 gains; served, every row's forwards are its own. Per row: τ (decode tokens per row-step), tok/s
 (prefills included), speedup over plain serving, speedup ÷ τ and τ per category.
@@ -434,7 +434,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-skip", type=int, default=0,
                     help="decode steps run before the profiled ones (a longer context; needs --new-tokens to fit)")
     ap.add_argument("--serve", type=int, default=0, metavar="N",
-                    help="also serve N requests with continuous batching at every --batches size above 1")
+                    help="also serve N requests with continuous batching at every --batches size")
     ap.add_argument("--serve-prompts", default="builtin:eval_mixed", help="the served prompts (any prompt file)")
     ap.add_argument("--serve-sync-every", type=int, default=4, help="serving: decode steps between host reads")
     ap.add_argument("--serve-harvest", default="sync",
@@ -583,7 +583,7 @@ def bench_serve(a, engines, stream, graphs, res, save) -> None:
     """--serve: the request stream through B slots with continuous batching, plain and with each drafter."""
     res["serve_prompts"], res["serving"] = a.serve_prompts, []
     for eng, (m, drafters) in engines.items():
-        for B, harvest in [(b, h) for b in a.batch_sizes if b > 1 for h in a.harvests]:
+        for B, harvest in [(b, h) for b in a.batch_sizes for h in a.harvests]:
             t0 = time.perf_counter()
             # refills gathered: a prefill is one eager forward, dearer than the idle slots it saves
             kw = dict(use_cuda_graphs=graphs, sync_every=a.serve_sync_every, refill_at=max(1, B // 8),

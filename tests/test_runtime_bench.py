@@ -50,13 +50,15 @@ def test_bench_runtime_cpu(tiny_target_dir, tmp_path, capsys):
         assert abs(r["speedup_vs_plain_after_over_tau"] - r["speedup_vs_plain_after"] / r["tau"]) < 1e-9
     assert "| 2 | hybrid (min_match 2) |" in text and "speedup ÷ τ" in text and "speedup after prefill ÷ τ" in text
     assert "plain tok/s, re-timed after" in text
-    # serving: 10 mixed-set prompts through 2 slots, continuous batching, every drafter lossless
+    # serving: 10 mixed-set prompts through 1 and 2 slots, continuous batching, every drafter lossless
     serving = json.loads(out.read_text())["serving"]
     assert [(r["batch"], r["harvest"], r["drafter"].split(" ")[0]) for r in serving] == [
-        (2, h, d) for h in ("pipelined", "sync") for d in ("plain", "ngram", "head", "hybrid")]
+        (b, h, d) for b in (1, 2) for h in ("pipelined", "sync") for d in ("plain", "ngram", "head", "hybrid")]
     # the harvest one block behind: the same tokens and target forwards per request (a slot is
     # refilled a block later, so the batch's step count may differ)
-    assert [(r["tokens"], r["tau"]) for r in serving[:4]] == [(r["tokens"], r["tau"]) for r in serving[4:]]
+    for at in (0, 8):
+        assert [(r["tokens"], r["tau"]) for r in serving[at:at + 4]] == \
+            [(r["tokens"], r["tau"]) for r in serving[at + 4:at + 8]]
     for r in serving:
         assert r["requests"] == 10 and r["lossless"] is True and r["tau"] >= 1.0 and r["tokens_per_s"] > 0
         assert abs(r["speedup_over_tau"] - r["speedup"] / r["tau"]) < 1e-9
