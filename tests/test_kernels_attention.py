@@ -47,7 +47,10 @@ def _case(B, T, H, KvH, D, S, NB, rows, dtype, tree=False, seed=0):
     (8, 4, 9, 3, 64, 200, 8, False, False),     # a chain verification at batch 8 (k = 3)
     (3, 4, 9, 3, 64, 70, 5, True, False),       # rows anywhere in the cache (continuous batching)
     (2, 7, 8, 8, 32, 96, 2, False, True),       # no grouping, a token tree
-    (2, 16, 8, 2, 128, 160, 3, False, True),    # Llama-8B's head dim, G*T = 64 (the kernel's most)
+    (2, 16, 8, 2, 128, 160, 3, False, True),    # Llama-8B's head dim, G*T = 64 (one program's most)
+    (2, 19, 12, 2, 128, 160, 3, True, False),   # Qwen2's 6 query heads a KV head, a P-EAGLE K 16 first pass of
+                                                # 4 + 15 slots: G*T = 114, two programs of 64 rows
+    (1, 32, 8, 1, 64, 96, 1, False, True),      # G*T = 256, the kernel's most: four programs, a token tree
     (4, 1, 4, 2, 16, 16, 4, False, False),      # the smallest width
 ])
 def test_kernel_matches_reference(dtype, B, T, H, KvH, D, S, NB, rows, tree):
@@ -60,7 +63,7 @@ def test_kernel_matches_reference(dtype, B, T, H, KvH, D, S, NB, rows, tree):
 
 def test_unsupported_shapes_use_the_reference():
     # a prefill: G*T above the kernel's rows goes to the reference on any backend
-    args = _case(2, 40, 9, 3, 64, 96, 2, False, torch.float32)
+    args = _case(2, 90, 9, 3, 64, 128, 2, False, torch.float32)
     assert not kernels.attention_supported(args[0].shape, 3)
     torch.testing.assert_close(kernels.decode_attention(*args, backend="triton"), attention_ref.decode_attention(*args))
     from specheads.kernels import attention_triton

@@ -187,7 +187,8 @@ def check_kv_cache_write(k_cache, v_cache, k, v, write_pos, rows=None):
 
 
 #: most query rows (G query heads per KV head x T new tokens) the decode attention kernel holds
-ATTENTION_MAX_ROWS = 64
+ATTENTION_MAX_ROWS = 256   # query rows (G*T): decode and verification; in blocks of 64 a program (the Triton
+                           # kernel); prefills, longer, go to the reference
 
 
 def attention_supported(q_shape, kv_heads: int) -> bool:

@@ -6,11 +6,12 @@ re-layout copy, cuDNN's workspace memset, the attention, and (for T > 1) an outp
 Here it is one kernel that reads q and the cache where they lie and writes o in the layout the
 output projection reads.
 
-One program per (batch row, KV head) holds the G*T query rows of that head (``BLOCK_M`` >= 16 for
-``tl.dot``) and streams the row's first ``kv_len`` cache slots in blocks of ``BLOCK_N`` with an online
-softmax (flash attention's recurrence, in exp2), accumulating in float32. Meant for decode and
-verification (G*T up to ``ATTENTION_MAX_ROWS``); prefills use the reference. fp32 inputs multiply in IEEE fp32
-(no TF32), so fp32 runs keep their fp32 accuracy.
+One program per (batch row, KV head, block of query rows) holds up to ``ROWS_PER_PROGRAM`` of the G*T query
+rows of that head (``BLOCK_M`` >= 16 for ``tl.dot``) and streams the row's first ``kv_len`` cache slots in
+blocks of ``BLOCK_N`` with an online softmax (flash attention's recurrence, in exp2), accumulating in
+float32. Meant for decode and verification (G*T up to ``ATTENTION_MAX_ROWS``: Qwen2's 6 query heads a KV head
+times a P-EAGLE first pass of 4 + 15 slots fit, in two programs); prefills use the reference. fp32 inputs
+multiply in IEEE fp32 (no TF32), so fp32 runs keep their fp32 accuracy.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ patch_interpreter()
 # operands are widened to fp32 first; compiled kernels multiply bf16 on the tensor cores
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# query rows a program holds: 64 x a head dim of 128 in fp32 is the accumulator the kernel was sized for; more
+# rows take more programs, each streaming the row's cache again
+ROWS_PER_PROGRAM = 64
 
 
 @triton.jit
@@ -41,7 +45,7 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, rows_ptr, sm_sca
                              HAS_ROWS: tl.constexpr, IEEE: tl.constexpr, DOT_F32: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
-    r = tl.arange(0, BLOCK_M)                       # query row r = g*T + t (the mask's row order)
+    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)   # query row r = g*T + t (the mask's row order)
     rmask = r < G * T
     g = r // T
     t = r % T
@@ -110,10 +114,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     o = torch.empty(B, T, H * D, dtype=q.dtype, device=q.device)
     if B == 0 or T == 0:
         return o
-    BLOCK_M = max(16, triton.next_power_of_2(G * T))
+    BLOCK_M = min(ROWS_PER_PROGRAM, max(16, triton.next_power_of_2(G * T)))
     BLOCK_N = 64 if D <= 64 else 32
     rows_arg = rows if rows is not None else o       # a placeholder pointer, never read without HAS_ROWS
-    _decode_attention_kernel[(B, KvH)](
+    _decode_attention_kernel[(B, KvH, triton.cdiv(G * T, BLOCK_M))](
         q, k_cache, v_cache, mask, o, rows_arg, D ** -0.5, T, kv_len,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), mask.stride(0), mask.stride(2),
