@@ -165,16 +165,22 @@ def step_times(m, prompts, new, **kw):
     gen = Generation(m, prompts, new, stop_token_ids=(), **kw)
     gen.prefill()
     marks = []
-    launch = gen._launch
+    launch, host_step = gen._launch, gen._host_step
+    ends = []
 
     def timed():
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)
         start.record()
-        launch()
-        end.record()
-        marks.append((gen.kv_len, start, end))
+        launch()                      # the step, then the drafter's host work (suffix decoding), timed apart
+        marks.append((gen.kv_len, start, ends.pop()))
 
-    gen._launch = timed
+    def step_end_then_host_step():
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()                  # the step's end: a drafter's host work counts as the gap before the next
+        ends.append(end)
+        host_step()
+
+    gen._launch, gen._host_step = timed, step_end_then_host_step
     gen.run()
     torch.cuda.synchronize()
     by = {}

@@ -130,8 +130,11 @@ def test_speculate_stopping_at_a_match_that_ends_its_sequence_changes_nothing(vo
     rng = random.Random(vocab)
     for depth, k, factor, min_prob in [(24, 3, 1.0, 0.1), (6, 5, 2.0, 0.0), (12, 4, 0.5, 0.3)]:
         tree, seqs = SuffixTree(depth), [[] for _ in range(4)]
-        for _ in range(300):
+        for step in range(300):
             i = rng.randrange(4)
+            if step % 97 == 96:            # an eviction: the sequence's suffixes go, nodes join their only child
+                tree.remove(i)
+                seqs[i] = []
             t = rng.randrange(vocab)
             seqs[i].append(t)
             tree.append(i, t)

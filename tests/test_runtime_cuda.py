@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specheads.runtime.drafters import (Eagle3Drafter, HybridDrafter, NGramDrafter, SuffixDrafter, drafter_for_head,
-                                        make_drafter, ngram_match)
+                                        forget_responses, make_drafter, ngram_match)
 from specheads.runtime.engines.continuous import Request, generate_continuous
 from specheads.runtime.engines.static import Generation, generate
 from specheads.runtime.model import TargetModel
@@ -153,6 +153,30 @@ def test_graphs_survive_alternating_batch_sizes(cuda_llama, mode):
     for n in (3, 2, 3, 2):
         r = generate(m, PROMPTS[:n], 16, use_cuda_graphs=True, **kw)
         assert r.tokens == ref[n] and r.graph_stats["failed"] == 0
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_suffix_drafts_from_cached_responses_in_graphs(cuda_llama, hybrid):
+    """Suffix decoding with its cache of responses (vLLM's default): a second call drafts from the first
+    call's answers, served between graph replays (host_step); the graphed calls take the eager calls' steps
+    exactly, and the second call drafts more than the first."""
+    _, m = cuda_llama
+    sd = SuffixDrafter()
+    d = HybridDrafter(Eagle3Drafter(_head("eagle3", 48).cuda()), sd, min_match=1) if hybrid else sd
+    prompts = PROMPTS + [REPETITIVE]
+    runs = []
+    for graphs in (False, True, True):
+        forget_responses(d)
+        calls = [generate(m, prompts, 20, drafter=d, k=3, stop_token_ids=(), use_cuda_graphs=graphs) for _ in "12"]
+        runs.append([(r.tokens, [x.as_dict() for x in r.records]) for r in calls])
+        if graphs:
+            assert calls[1].graph_stats["failed"] == 0 and calls[1].graph_stats["eager"] == 0, calls[1].graph_stats
+    assert runs[0] == runs[1] == runs[2]
+    plain = generate(m, prompts, 20, stop_token_ids=()).tokens
+    assert runs[0][0][0] == plain and runs[0][1][0] == plain
+    if not hybrid:
+        accepted = [sum(x["num_accepted"] for x in recs) for _, recs in runs[0]]
+        assert accepted[1] > accepted[0], accepted
 
 
 def test_hybrid_on_cuda_takes_both_sides(cuda_llama):

@@ -209,8 +209,9 @@ class SuffixTree:
                 best, best.match_len = draft, m
             node, idx = found
             if node.count == 1 and idx == node.length and not node.children:
-                # its one occurrence ends its sequence (m < max_depth: a suffix is indexed past it if there is
-                # more). A longer pattern occurs there or nowhere, so no longer match drafts anything. The
+                # its one occurrence ends its sequence (a suffix is indexed past it if there is more; a pattern
+                # over max_depth long never matches). A longer pattern occurs there or nowhere, so no longer
+                # match drafts anything. The
                 # context's own end is such an occurrence: without this the loop runs to the context's length,
                 # and its O(len²) walks were most of a row's host time (benchmarks/bench_suffix.py: 86 -> 24 µs
                 # a row and step on new_codealpaca's answers, CPU)
@@ -347,6 +348,7 @@ class SuffixDrafter(Drafter):
                                                # never freed: captured steps read them
         self._out: torch.Tensor | None = None  # the buffer host_step wrote last
         self._stale = True                     # a step or a new request since: the buffer is out of date
+        self.host_width: int | None = None     # the widest draft host_step wrote (engines without graphs)
 
     def clear(self) -> None:
         """Forget every request and cached response: the state of a new engine."""
@@ -390,6 +392,7 @@ class SuffixDrafter(Drafter):
         self._out = self._bufs[key]
         self._out.copy_(host)
         self._stale = False
+        self.host_width = max([len(d.tokens) for d in drafts] + [0])   # an eager step verifies no more
 
     def _pull(self, new: dict[int, int]) -> None:
         """Give the cache what each live row emitted since the last pull, after starting the requests

@@ -1,7 +1,8 @@
 """Continuous batching: ``generate_continuous``, ``ContinuousGeneration``, and ``generate_flows``
 for multi-step work.
 
-Plain decoding, or chains from a drafter whose state is on the device: the same step as
+Plain decoding, or chains from a drafter whose state is on the device (or is served between steps,
+as suffix decoding's trees are): the same step as
 ``generate`` over a fixed set of slots, with a finished row's slot refilled by the next
 request (a prefill of just the new prompts into their cache rows, and the drafter's first pass
 over them into its rows) between steps, so the step's graphs stay valid. Data generation
@@ -415,7 +416,9 @@ def generate_flows(model: TargetModel, flows: Iterable[tuple[Any, Generator]], o
     regeneration ran at 76.9k tok/s with the harvest one block behind against 65.4k with the live
     read (2026-12-03 against 12-02), where serving through 8-48 slots was faster with the live read
     (BENCHMARKS.md)."""
-    kw.setdefault("pipeline_harvest", model.device.type == "cuda")
+    # a drafter with host work (suffix decoding) waits for every step: a harvest a block behind would gain nothing
+    kw.setdefault("pipeline_harvest", model.device.type == "cuda"
+                  and not getattr(kw.get("drafter"), "has_host_step", False))
 
     def advance(key, flow, send):
         try:

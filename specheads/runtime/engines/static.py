@@ -321,7 +321,9 @@ class Generation(StepLauncher):
         self.graph_safe = self.drafter is None or bool(getattr(self.drafter, "graph_safe", False))
         self.capture = self.use_graphs and self.graph_safe
         self.inner_graphs = self.use_graphs and not self.graph_safe
-        self.pipelined = dev.type == "cuda" and self.graph_safe
+        # a drafter with host work waits for every step anyway (host_step): reading the flags a step late would
+        # only add a wasted last step
+        self.pipelined = dev.type == "cuda" and self.graph_safe and not getattr(self.drafter, "has_host_step", False)
         self.known_max, self.known_step = T, -1
 
     def draft(self) -> Draft:
@@ -343,8 +345,11 @@ class Generation(StepLauncher):
         act = ws.active.clone()        # before the drafter runs: the step's active rows
         prop = self.drafter.propose(self.ctx, self.k)
         Kp = prop.tokens.shape[1]
-        # one shape per k for graphs and for graph-safe drafters; a host drafter's proposal can be narrower
+        # one shape per k for graphs and for graph-safe drafters; a host drafter's proposal can be narrower, and
+        # so can suffix decoding's where no graph needs the full width (its host_step knows its widest draft)
         K = self.k if (self.use_graphs or self.graph_safe) else min(self.k, Kp)
+        if not self.use_graphs and getattr(self.drafter, "host_width", None) is not None:
+            K = min(K, self.drafter.host_width)
         tokens, num = self._chain_draft(act, ws.hist, ws.hist_len, prop.tokens.to(dev), prop.num.to(dev), K)
         probs = None
         if self.rule == "rejection" and K > 0:
