@@ -143,8 +143,8 @@ def test_speculate_stopping_at_a_match_that_ends_its_sequence_changes_nothing(vo
             j = rng.randrange(4)
             a = rng.randrange(len(seqs[j]) + 1)
             for ctx in (seqs[i][-depth:], seqs[j][max(0, a - depth):a] + [rng.randrange(vocab)] * (a % 2)):
-                got, want = tree.speculate(ctx, k, factor, min_prob), tree.speculate_every_match(ctx, k, factor,
-                                                                                                 min_prob)
+                got = tree.speculate(ctx, k, factor, min_prob)
+                want = tree.speculate(ctx, k, factor, min_prob, every_match=True)
                 assert (got.tokens, got.probs, got.score, got.match_len) == \
                     (want.tokens, want.probs, want.score, want.match_len)
 

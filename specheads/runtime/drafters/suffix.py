@@ -194,10 +194,12 @@ class SuffixTree:
         found = self.match(pattern)
         return found[0].count if found is not None else 0
 
-    def speculate(self, context, max_tokens: int, max_spec_factor: float = 1.0,
-                  min_token_prob: float = 0.1) -> SuffixDraft:
+    def speculate(self, context, max_tokens: int, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
+                  every_match: bool = False) -> SuffixDraft:
         """The best draft continuing ``context`` (see the module docstring); empty (match_len 0) when
-        nothing fits. As in Arctic, the longest match tried is one token shorter than the context."""
+        nothing fits. As in Arctic, the longest match tried is one token shorter than the context.
+        ``every_match``: the rule as SuffixDecoding states it, every longer match until one does not occur,
+        without the early stop below: the reference the stop is checked against (tests, bench_suffix.py)."""
         best = SuffixDraft()
         for m in range(1, len(context)):
             found = self.match(context[len(context) - m:])
@@ -208,28 +210,13 @@ class SuffixTree:
             if draft.tokens and draft.score >= best.score:
                 best, best.match_len = draft, m
             node, idx = found
-            if node.count == 1 and idx == node.length and not node.children:
-                # its one occurrence ends its sequence (a suffix is indexed past it if there is more; a pattern
+            if not every_match and node.count == 1 and idx == node.length and not node.children:
+                # Its one occurrence ends its sequence (a suffix is indexed past it if there is more; a pattern
                 # over max_depth long never matches). A longer pattern occurs there or nowhere, so no longer
-                # match drafts anything. The
-                # context's own end is such an occurrence: without this the loop runs to the context's length,
-                # and its O(len²) walks were most of a row's host time (benchmarks/bench_suffix.py: 86 -> 24 µs
-                # a row and step on new_codealpaca's answers, CPU)
+                # match drafts anything. The context's own end is such an occurrence: without this stop the loop
+                # runs to the context's length, and its O(len²) walks were most of a row's host time
+                # (benchmarks/bench_suffix.py: 86 -> 24 µs a row and step on new_codealpaca's answers, CPU).
                 break
-        return best
-
-    def speculate_every_match(self, context, max_tokens: int, max_spec_factor: float = 1.0,
-                              min_token_prob: float = 0.1) -> SuffixDraft:
-        """The reference ``speculate`` is checked against (tests, ``benchmarks/bench_suffix.py``): the rule as
-        SuffixDecoding states it, every longer match until one does not occur, without the early stop."""
-        best = SuffixDraft()
-        for m in range(1, len(context)):
-            found = self.match(context[len(context) - m:])
-            if found is None:
-                break
-            draft = self._follow(*found, min(max_tokens, int(m * max_spec_factor + 1e-6)), min_token_prob)
-            if draft.tokens and draft.score >= best.score:
-                best, best.match_len = draft, m
         return best
 
     @staticmethod
@@ -295,11 +282,13 @@ class SuffixCache:
         return self.local_trees[req].sequence(0)
 
     def speculate(self, req: int, pattern, max_spec_tokens: int, max_spec_factor: float = 1.0,
-                  min_token_prob: float = 0.1) -> SuffixDraft:
-        """The local tree's draft, or the global tree's where it scores strictly higher."""
+                  min_token_prob: float = 0.1, every_match: bool = False) -> SuffixDraft:
+        """The local tree's draft, or the global tree's where it scores strictly higher (``every_match``:
+        ``SuffixTree.speculate``'s reference rule in both)."""
         pattern = pattern[-self.max_tree_depth:]
-        local = self.local_trees[req].speculate(pattern, max_spec_tokens, max_spec_factor, min_token_prob)
-        other = self.global_tree.speculate(pattern, max_spec_tokens, max_spec_factor, min_token_prob)
+        args = (pattern, max_spec_tokens, max_spec_factor, min_token_prob, every_match)
+        local = self.local_trees[req].speculate(*args)
+        other = self.global_tree.speculate(*args)
         return other if other.score > local.score else local
 
 
