@@ -333,9 +333,9 @@ class SuffixDrafter(Drafter):
         self._prompt_len: list[int] = []
         self._requests = 0                     # request ids handed out
         self._prompt_update = False            # the next update carries the batch's prompts
+        self._new: dict[int, int] = {}         # rows whose request starts at the next pull -> prompt length
         self._bufs: dict = {}                  # per (batch, k, device): [B, k + 2] drafts, num, match_len;
                                                # never freed: captured steps read them
-        self._out: torch.Tensor | None = None  # the buffer host_step wrote last
         self._stale = True                     # a step or a new request since: the buffer is out of date
         self.host_width: int | None = None     # the widest draft host_step wrote (engines without graphs)
 
@@ -351,24 +351,26 @@ class SuffixDrafter(Drafter):
                 self.cache.stop_request(req)
         B = ctx.batch
         self._ctx, self._req, self._fed, self._prompt_len = ctx, [None] * B, [0] * B, [0] * B
-        self._prompt_update = True
+        self._prompt_update, self._new = True, {}
         self._stale = True
 
+    # The trees take in tokens in one place, host_step: an update or an admit only says what it will find there.
     def update(self, v: Verified) -> None:
         if self._prompt_update:                # generate's first update (the prefill, eager): the prompts
             self._prompt_update = False
-            self._pull(dict(enumerate(v.count.tolist())))
+            self._new = dict(enumerate(v.count.tolist()))
         self._stale = True                     # a step's update (maybe captured): host_step reads what it emitted
 
     def admit(self, rows: torch.Tensor, v: Verified) -> None:
         self._prompt_update = False            # continuous batching: prompts come through admit
-        self._pull(dict(zip(rows.tolist(), v.count.tolist())))
+        self._new.update(zip(rows.tolist(), v.count.tolist()))
         self._stale = True
 
     def host_step(self, ctx: DraftContext, k: int) -> None:
         """Between steps, on the host: take in what every live row emitted, then each row's draft into the
         [B, k] device buffer ``propose`` returns (one copy)."""
-        self._pull({})
+        self._pull(self._new)
+        self._new = {}
         B, D = ctx.batch, self.max_tree_depth
         drafts = [SuffixDraft() if req is None else
                   self.cache.speculate(req, self.cache.tokens(req)[-D:], k, self.max_spec_factor, self.min_token_prob)
@@ -378,8 +380,7 @@ class SuffixDrafter(Drafter):
         key = (B, k, str(ctx.device))
         if key not in self._bufs:
             self._bufs[key] = torch.zeros(B, k + 2, dtype=torch.long, device=ctx.device)
-        self._out = self._bufs[key]
-        self._out.copy_(host)
+        self._bufs[key].copy_(host)
         self._stale = False
         self.host_width = max([len(d.tokens) for d in drafts] + [0])   # an eager step verifies no more
 
@@ -413,9 +414,10 @@ class SuffixDrafter(Drafter):
                 self._req[b] = None
 
     def propose(self, ctx: DraftContext, k: int) -> Proposal:
-        if self._stale or self._out is None or self._out.shape != (ctx.batch, k + 2):
+        key = (ctx.batch, k, str(ctx.device))
+        if self._stale or key not in self._bufs:
             self.host_step(ctx, k)             # no engine ran it (a caller of its own): eagerly, here
-        out = self._out
+        out = self._bufs[key]
         return Proposal(out[:, :k], out[:, k], None, out[:, k + 1])
 
 
