@@ -34,7 +34,7 @@
 # all of the mixed set and 80 / 64 / 64 of the others, ~10 minutes more), BATCHES (default 1,8,32), SETS (the
 # eval sets, default "mixed vicuna gsm8k_holdout code_holdout"), MERGE="F ..." (earlier
 # summaries whose heads join this one's), EXTRA_OV (more overrides for every stage),
-# SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every count tiny).
+# SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT), SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every count tiny).
 # Run from the repository root with the project installed. Every stage resumes: a second run after a kill skips the
 # stages that finished with the same command and goes on from there (training from its last checkpoint).
 set -u
@@ -170,6 +170,15 @@ if [ -n "${RUNTIME:-}" ]; then
     --batches $BATCHES --new-tokens $NEW --head "$ED" --k $K --engines $ENGINES \
     --drafters ${RUNTIME_DRAFTERS:-plain,head,hybrid,hybrid_suffix} --repeat $REPEAT --serve ${SERVE:-64} \
     --out "$OUT/bench_runtime_$KIND.json"
+fi
+# 7. SWEEP=1: eval --sweep on the held-out code set's first SWEEP_LIMIT prompts (default 32): the head, n-gram and
+#    suffix decoding at every k of SWEEP_K (default 2,3,4; a parallel head at its own k) served with continuous
+#    batching at concurrency 1, 8 and 32, plain beside them; the recommended vLLM --speculative-config and SGLang
+#    flags go to RUN/eval_sweep_KIND/report.md and into the exported head's model card
+if [ -n "${SWEEP:-}" ]; then
+  stage sweep_$KIND $S eval $R "${OV[@]}" "${KO[@]}" "eval.prompts=$RUN/data/code_holdout.json" eval.split=all \
+    eval.limit=${SWEEP_LIMIT:-32} "eval.head=[$ED]" "eval.compare=[ngram,suffix]" eval.sweep.enabled=true \
+    "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.update_card=true eval.out=$RUN/eval_sweep_$KIND
 fi
 bandwidth
 summary; trap - EXIT
