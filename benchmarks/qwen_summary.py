@@ -284,13 +284,21 @@ def plain_vs_bound(summary: dict) -> dict | None:
 
 
 def speed_rows(summary: dict):
-    """(source, "static" | "served", row) for every decode-speed row: the model-free run's, then each head's."""
+    """(source, "static" | "served", row) for every decode-speed row: the model-free run's, then each head's. A
+    model-free run carried over from an earlier summary is named by its date, and its row of a drafter that this
+    run timed again at the same batch and mode is left out: the newer code's figure supersedes it."""
+    modes = (("static", "rows"), ("served", "serving"))
     sources = [("model_free", summary.get("model_free_runtime"))]
     sources += [(k, h.get("runtime")) for k, h in summary["heads"].items() if isinstance(h, dict)]
+    fresh = {(mode, r["drafter"], r.get("batch")) for _, rt in sources if rt and "carried_over" not in rt
+             for mode, key in modes for r in rt.get(key) or []}
     for src, rt in sources:
-        for mode, key in (("static", "rows"), ("served", "serving")):
+        co = (rt or {}).get("carried_over")
+        for mode, key in modes:
             for r in (rt or {}).get(key) or []:
-                yield src, mode, r
+                if co and (mode, r["drafter"], r.get("batch")) in fresh:
+                    continue
+                yield (f"{src} (from {co.get('date')})" if co else src), mode, r
 
 
 def _drafts_with_head(drafter: str) -> bool:

@@ -376,11 +376,20 @@ def test_qwen_summary_tabulates_and_judges_what_was_measured(tmp_path):
     assert "| model_free | 1 | static | suffix | 1.60 | 240 | 1.20× | — | 0.75 | yes |" in md
     assert "| model_free | 1 | static | ngram | 1.50 | 270 | 1.35× | 1.40× | 0.90 | no (2 differ, first at token 64) |" in md
     assert "| eagle3 | 8 | served | head (eagle3) | 2.80 | 2,400 | 1.60× | — | 0.57 | yes |" in md
-    # an earlier run's model-free figures carry over into a later head's summary, marked as such
-    later = mod.summarize(run, None, None, {})
+    # an earlier run's model-free figures carry over into a later head's summary, named by their date; a drafter the
+    # later run timed again at the same batch and mode supersedes the carried row (suffix here), the others stay
+    again = tmp_path / "bench_runtime_eagle3_again.json"
+    again.write_text(json.dumps(_runtime([("compiled", 1, "plain", 1.0, 200.0, 1.0, True),
+                                          ("compiled", 1, "suffix", 1.6, 300.0, 1.5, True)], [])))
+    later = mod.summarize(run, None, None, {"eagle3": again})
     mod.merge(later, s, tmp_path / "earlier.json")
     assert later["model_free_runtime"]["carried_over"]["file"].endswith("earlier.json")
-    assert any(src == "model_free" for src, _, _ in mod.speed_rows(later))
+    carried = f"model_free (from {s['date']})"
+    rows = [(src, m, r["drafter"], r["batch"]) for src, m, r in mod.speed_rows(later)]
+    assert (carried, "static", "ngram", 1) in rows and (carried, "served", "plain", 8) in rows
+    assert (carried, "static", "suffix", 1) not in rows and ("eagle3", "static", "suffix", 1) in rows
+    assert mod.goals(later)["every_drafter_speedup>=0.85_tau_batch1"]["ratios"] == {
+        f"{carried}: ngram": pytest.approx(0.9), "eagle3: suffix": pytest.approx(1.5 / 1.6)}
 
 
 def test_qwen_summary_says_a_head_diverged_and_keeps_the_untrained_eval_out(tmp_path):
