@@ -105,7 +105,8 @@ summary() {
   python3 benchmarks/qwen_summary.py summary --run "$RUN" --out "$OUT/qwen2.5_coder_1.5b.json" \
     --md "$OUT/qwen2.5_coder_1.5b.md" --timeline "$OUT/timeline.txt" --bandwidth "$OUT/bandwidth.json" \
     ${rt[@]+"${rt[@]}"} ${merge[@]+"${merge[@]}"} >> "$OUT/log.txt" 2>&1
-  tar czf "$OUT/reports.tar.gz" "$RUN"/eval_*/report.* "$RUN"/train_*/metrics.jsonl "$RUN"/train_*/plots \
+  tar czf "$OUT/reports.tar.gz" "$RUN"/eval_*/report.* "$RUN"/eval_*/sweep_partial.json "$RUN"/train_*/metrics.jsonl \
+    "$RUN"/train_*/plots \
     "$RUN"/train_*/final/head_config.json "$RUN"/train_*/diverged.json \
     "$RUN"/data/*summary*.json "$RUN"/data/rows/summary.json \
     "$RUN"/vocab/vocab.json "$RUN"/export_*/config.json "$RUN"/export_*/README.md 2>/dev/null

@@ -164,6 +164,7 @@ def test_sweep_end_to_end(tiny_target_dir, tmp_path):
     assert "## Serving sweep (continuous batching)" in md and "### Recommended serving configuration" in md
     assert "| 2 | head | 3 |" in md and (out / "sweep_speedup.png").is_file()
     assert _digest(head) == before                      # without --update-card the head is untouched
+    assert not (out / "sweep_partial.json").exists()    # the finished report holds the whole sweep
 
     _update_model_cards(plan_runs(_recipe(tmp_path, "--head", str(head), target=tiny_target_dir)),
                         str(out / "report.json"))
@@ -173,6 +174,33 @@ def test_sweep_end_to_end(tiny_target_dir, tmp_path):
         lines = card.launch_lines("org/tiny-target", d, b["k"], "speculators", "eagle3")
         assert lines["vllm"] in text and lines["sglang"] in text
         assert f"| {b['concurrency']} | {b['k']} | {b['tau']:.2f} | {b['speedup']:.2f}× |" in text
+
+
+def test_a_sweep_cut_short_keeps_the_eval_and_the_points_measured(tiny_target_dir, tmp_path, monkeypatch):
+    """The eval's own report is published before the sweep starts, and each sweep point goes to sweep_partial.json
+    as it is measured: a sweep stopped after its second point (a time limit, a lost machine) leaves both."""
+    import specheads.evaluate.stage as stage
+
+    real, calls = stage.write_json_atomic, []
+
+    def write_then_stop(path, doc, **kw):
+        real(path, doc, **kw)
+        calls.append(Path(path).name)
+        if len(calls) == 3:                             # plain at concurrency 1, then two points
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(stage, "write_json_atomic", write_then_stop)
+    out = tmp_path / "ev"
+    with pytest.raises(KeyboardInterrupt):
+        main(["eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--compare", "ngram",
+              "--compare", "suffix", "--limit", "2", "--max-new-tokens", "4", "--out", str(out), "--sweep",
+              "--sweep-k", "2", "--concurrency", "1", "--concurrency", "2"])
+    assert calls == ["sweep_partial.json"] * 3
+    rep = json.loads((out / "report.json").read_text())
+    assert "sweep" not in rep and [r["name"] for r in rep["runs"]] == ["ngram k=3 greedy", "suffix k=3 greedy"]
+    part = json.loads((out / "sweep_partial.json").read_text())
+    assert part["complete"] is False and [p["concurrency"] for p in part["plain"]] == [1]
+    assert [(p["drafter"], p["k"]) for p in part["points"]] == [("n-gram (vLLM's rule)", 2), ("suffix decoding", 2)]
 
 
 def test_parallel_head_sweeps_only_its_own_k(tiny_target_dir, tmp_path):

@@ -26,7 +26,8 @@ from specheads.errors import SpecheadsError
 from specheads.evaluate.inputs import input_problems
 from specheads.evaluate.lossless import chi_square_check, greedy_lossless
 from specheads.evaluate.report import write_report
-from specheads.evaluate.sweep import Candidate, WEIGHTLESS_LABEL, build_candidates, run_sweep
+from specheads.evaluate.sweep import SWEEP_PARTIAL, Candidate, WEIGHTLESS_LABEL, build_candidates, run_sweep
+from specheads.fileio import write_json_atomic
 from specheads.formats.convert import load_head_for
 from specheads.runtime.chat import chat_generate
 from specheads.runtime.drafters import forget_responses, make_drafter
@@ -329,15 +330,23 @@ def run_eval(recipe, target=None) -> dict:
         "runs": runs,
         "notes": [],
     }
+    partial = None
     if sweep is not None:
+        # the sweep serves every point twice over (warm-up, timed): the eval's own figures are published first,
+        # and each point as it is measured goes to sweep_partial.json, so a sweep cut short loses neither
+        write_report(report, RunDir(recipe).eval)
+        partial = RunDir(recipe).eval / SWEEP_PARTIAL
         cands, notes = sweep
         build_candidates(cands, lambda h: drafter_for(RunSpec(h, h)), e.compile, notes)
-        report["sweep"] = run_sweep(engine, target, prompts, recipe, cands, notes)
+        report["sweep"] = run_sweep(engine, target, prompts, recipe, cands, notes,
+                                    progress=lambda part: write_json_atomic(partial, part))
     if e.engine == "vllm":
         from specheads.evaluate.vllm_compare import add_vllm_runs
 
         report = add_vllm_runs(report, recipe, prompts, target, plain=plain)
     paths = write_report(report, RunDir(recipe).eval)
+    if partial is not None:
+        partial.unlink(missing_ok=True)     # the report holds the whole sweep now
     print(f"report: {paths['md']} ({len(paths['plots'])} plots)")
     if e.update_card:  # only when asked: evaluating a head leaves its directory byte-identical
         _update_model_cards(specs, paths["json"])

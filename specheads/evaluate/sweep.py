@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from specheads.evaluate.lossless import greedy_lossless
 from specheads.evaluate.report import PLAIN_NAME
@@ -34,6 +35,7 @@ from specheads.runtime.engines.static import parallel_drafter
 
 WEIGHTLESS_LABEL = {"ngram": "n-gram (vLLM's rule)", "suffix": "suffix decoding"}
 WARM_TOKENS = 8        # a CPU warm-up's answer length: it only pays the first calls' one-off costs
+SWEEP_PARTIAL = "sweep_partial.json"    # the points measured so far, in the eval's out directory while it runs
 
 
 @dataclass
@@ -110,9 +112,11 @@ def _rate(st: dict) -> float:
     return st["tokens"] / st["seconds"] if st["seconds"] else float("nan")
 
 
-def run_sweep(engine, target, prompts: list[dict], recipe, candidates: list[Candidate], notes: list[str]) -> dict:
+def run_sweep(engine, target, prompts: list[dict], recipe, candidates: list[Candidate], notes: list[str],
+              progress: Callable[[dict], None] | None = None) -> dict:
     """Plain decoding and every candidate at every k, at every concurrency; the points, the recommendation per
-    concurrency and each drafter's best (report["sweep"])."""
+    concurrency and each drafter's best (report["sweep"]). ``progress`` gets the plain runs and points measured so
+    far after each one (``complete`` False)."""
     e = recipe.eval
     tok, graphs = target.tokenizer, engine.device.type == "cuda"
     serve_target = recipe.target.verifier or target.verifier_name
@@ -130,6 +134,8 @@ def run_sweep(engine, target, prompts: list[dict], recipe, candidates: list[Cand
                 "tokens_per_s": _rate(st)}
         plain.append(base)
         print(f"sweep, concurrency {C}: plain {base['tokens_per_s']:.1f} tok/s", flush=True)
+        if progress:
+            progress({"complete": False, "plain": plain, "points": points})
         for c in candidates:
             for k in c.ks:
                 res, st = _served(engine, tok, prompts, c.instance, k, kw)
@@ -142,6 +148,8 @@ def run_sweep(engine, target, prompts: list[dict], recipe, candidates: list[Cand
                 ll = p["lossless"]
                 print(f"sweep, concurrency {C}: {c.label} k={k}: τ={p['tau']:.3f}, {p['tokens_per_s']:.1f} tok/s, "
                       f"speedup {p['speedup']:.2f}×, {ll['identical']}/{ll['total']} identical", flush=True)
+                if progress:
+                    progress({"complete": False, "plain": plain, "points": points})
     recs = recommend(points, plain, serving(None, 0, serve_target))
     for r in recs:
         ll = r.get("lossless") or {}
