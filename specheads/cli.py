@@ -270,6 +270,8 @@ def train_summary(s: dict) -> str:
              f"{s['tokens']:,} tokens at {s['tokens_per_s']:,.0f} tok/s ({s['train_loop_s'] / 60:.1f} min training, "
              f"{minutes:.1f} min with set-up, evaluation and saving; {s['world_size']} process(es), {s['precision']}"
              + (f"; {100 * s['padding_fraction']:.1f}% of token slots padding" if s.get("padding_fraction") is not None
+                else "")
+             + (f"; peak device memory {s['peak_memory_gib']:.1f} GiB" if s.get("peak_memory_gib") is not None
                 else "") + ")"]
     ev = s.get("eval") or {}
     if ev.get("loss") is not None:

@@ -471,3 +471,19 @@ def test_bench_suffix_replays_answers_and_checks_every_draft(tmp_path):
     data.write_text(json.dumps({"question": "no answer"}) + "\n")
     with pytest.raises(SystemExit, match="qa.jsonl: row 0"):
         mod.load_pairs(data, Words(), 6)
+
+
+def test_bench_dflash_anchors_trains_what_it_says(tmp_path):
+    """bench_dflash_anchors.py: a DFlash run supervises as many first drafts a batch as it takes anchors, the 'all'
+    run every trained position; each run reports held-out accuracy at the steps asked; the JSON holds the table."""
+    mod = _load("bench_dflash_anchors")
+    out = tmp_path / "r.json"
+    res = mod.main(["--steps", "4", "--every", "2", "--anchors", "8,all", "--out", str(out)])
+    runs = res["runs"]
+    assert list(runs) == ["eagle3 (TTT 3)", "dflash, 8 anchors", f"dflash, {mod.ROWS * (mod.T - 4)} anchors"]
+    assert runs["dflash, 8 anchors"]["first_drafts_per_batch"] == 8
+    assert runs[f"dflash, {mod.ROWS * (mod.T - 4)} anchors"]["first_drafts_per_batch"] > 100
+    for r in runs.values():
+        assert [p["step"] for p in r["points"]] == [2, 4]
+        assert all(0.0 <= p["first_draft_accuracy"] <= 1.0 and p["cpu_s"] > 0 for p in r["points"])
+    assert json.loads(out.read_text())["runs"].keys() == runs.keys()

@@ -102,10 +102,11 @@ def peagle_loss(head, batch: dict, tv: TargetView, depths: int, keep_ratio: floa
 
 # ---------------------------------------------------------------- DFlash
 def dflash_anchors(loss_mask, in_vocab, attention_mask, count: int, gen: torch.Generator):
-    """Up to ``count`` random anchors for the whole micro-batch (as speculators' anchors per packed
-    sequence: the blocks' memory, anchors x block_size x vocabulary, stays bounded however many rows a
-    micro-batch holds), drawn among the positions a >= 1 whose first drafted token x_{a+1} is trained.
-    Returns ``anchors [B, A]`` (sorted within a row) and ``valid [B, A]``."""
+    """Up to ``count`` random anchors for the whole micro-batch, drawn uniformly among the positions a >= 1 whose
+    first drafted token x_{a+1} is trained: the blocks' memory, anchors x block_size x vocabulary, stays bounded
+    however many rows a micro-batch holds. (SpecForge and speculators take up to 512 per sequence or document, a
+    denser sampling: ``count`` sets the density.) Returns ``anchors [B, A]`` (sorted within a row) and
+    ``valid [B, A]``."""
     ok = counted_positions(loss_mask, in_vocab, 0, attention_mask).cpu()      # [B, T] at t = a - 1
     B = ok.shape[0]
     rows, pos = ok.nonzero(as_tuple=True)
