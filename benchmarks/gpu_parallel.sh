@@ -12,9 +12,10 @@
 #
 # Usage:  bash benchmarks/gpu_parallel.sh [GGUF [DATA [OUT]]]   (arguments as gpu_reference.sh's)
 # Environment: FRACTION (default 0.3), EPOCHS (default 2), KINDS (default "eagle3 peagle dflash"), K (default 4),
-# BLOCK (DFlash's block size, default 16), ANCHORS (DFlash's anchors per micro-batch, default 512), LR (default 1e-3),
-# SETS (eval sets, default "mixed vicuna"), RUNTIME=1, EXTRA_OV (more overrides for every stage), RUN (default
-# OUT/run), SMALL=1 DEVICE=cpu (a CPU smoke test of this script). Every stage resumes after a kill.
+# BLOCK (DFlash's block size, default 16), ANCHORS (DFlash's anchors per micro-batch, default 2048 as its recipe; the
+# figures of 2026-12-06/07 ran 512), LR (default 1e-3), SETS (eval sets, default "mixed vicuna"), RUNTIME=1, EXTRA_OV
+# (more overrides for every stage), RUN (default OUT/run), SMALL=1 DEVICE=cpu (a CPU smoke test of this script). Every
+# stage resumes after a kill.
 set -u
 GGUF=${1:-${GGUF:-}}; DATA=${2:-${DATA:-data}}; OUT=${3:-${OUT:-out}}
 . "$(dirname "$0")/gpu_setup.sh"
@@ -22,7 +23,7 @@ use_gguf "$GGUF" "$OUT"
 RUN=${RUN:-$OUT/run}; DEVICE=${DEVICE:-cuda}; S="python3 -m specheads.cli"
 reference_overrides "$RUN" "$DATA" "$DEVICE"
 FRACTION=${FRACTION:-0.3}; EPOCHS=${EPOCHS:-2}; KINDS=${KINDS:-eagle3 peagle dflash}; K=${K:-4}; BLOCK=${BLOCK:-16}
-ANCHORS=${ANCHORS:-512}; LR=${LR:-1e-3}; SETS=${SETS:-mixed vicuna}; VL=80; ML=null
+ANCHORS=${ANCHORS:-2048}; LR=${LR:-1e-3}; SETS=${SETS:-mixed vicuna}; VL=80; ML=null
 P=$RUN/parallel
 OV+=(train.data_fraction=$FRACTION train.epochs=$EPOCHS train.lr=$LR head.num_depths=$K head.block_size=$BLOCK
      train.dflash_anchors=$ANCHORS ${EXTRA_OV:-})
