@@ -10,7 +10,7 @@ The task is synthetic so that it is small and exact: x_{t+1} = P[x_{t-1} mod 2][
 target's final hidden state at t is a unit embedding of x_{t+1} (its logits pick x_{t+1}), and its aux states are
 fixed random projections of [final state, token embedding].
 
-    python benchmarks/bench_dflash_anchors.py [--steps 300] [--anchors 16,128,all] [--out results.json]
+    python benchmarks/bench_dflash_anchors.py [--steps 300] [--anchors 16,64,128,all] [--out results.json]
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=50, help="held-out accuracy every this many steps")
-    p.add_argument("--anchors", default="16,128,all", help="anchors a micro-batch (comma-separated; 'all': every "
-                   f"trained position, {ROWS * (T - 4)})")
+    p.add_argument("--anchors", default="16,64,128,all", help="anchors a micro-batch, split evenly over its "
+                   f"{ROWS} rows (comma-separated; 'all': every trained position, {ROWS * (T - 4)})")
     p.add_argument("--block", type=int, default=8, help="DFlash block size")
     p.add_argument("--layers", type=int, default=2, help="DFlash layers")
     p.add_argument("--lr", type=float, default=1e-3)

@@ -246,6 +246,9 @@ def merge(summary: dict, earlier: dict, path: Path) -> None:
         own = isinstance(cur, dict) and (cur.get("training") or _evaluated(cur))
         if isinstance(h, dict) and not own:
             merged = h if "carried_over" in h else {"carried_over": origin, **h}
+            rt = merged.get("runtime")
+            if isinstance(rt, dict) and "carried_over" not in rt:  # the earlier run's timing, named as such
+                merged = {**merged, "runtime": {"carried_over": merged["carried_over"], **rt}}
             if isinstance(cur, dict) and cur.get("runtime"):      # timed in this run: its rows win
                 merged = {**merged, "runtime": cur["runtime"]}
             summary["heads"][kind] = merged
@@ -284,21 +287,29 @@ def plain_vs_bound(summary: dict) -> dict | None:
 
 
 def speed_rows(summary: dict):
-    """(source, "static" | "served", row) for every decode-speed row: the model-free run's, then each head's. A
-    model-free run carried over from an earlier summary is named by its date, and its row of a drafter that this
-    run timed again at the same batch and mode is left out: the newer code's figure supersedes it."""
+    """(source, "static" | "served", row) for every decode-speed row: the model-free run's, then each head's. A run
+    carried over from an earlier summary is named by its date, and its row of a drafter that this run timed again
+    (same mode, batch, k and engine) is left out: the newer code's figure supersedes it. A carried plain row stays
+    while a carried drafted row of its batch and mode does: it is their baseline."""
     modes = (("static", "rows"), ("served", "serving"))
     sources = [("model_free", summary.get("model_free_runtime"))]
     sources += [(k, h.get("runtime")) for k, h in summary["heads"].items() if isinstance(h, dict)]
-    fresh = {(mode, r["drafter"], r.get("batch")) for _, rt in sources if rt and "carried_over" not in rt
-             for mode, key in modes for r in rt.get(key) or []}
+
+    def key(rt, mode, r):
+        return mode, r["drafter"], r.get("batch"), rt.get("k"), r.get("engine")
+
+    fresh = {key(rt, mode, r) for _, rt in sources if rt and "carried_over" not in rt
+             for mode, field in modes for r in rt.get(field) or []}
     for src, rt in sources:
         co = (rt or {}).get("carried_over")
-        for mode, key in modes:
-            for r in (rt or {}).get(key) or []:
-                if co and (mode, r["drafter"], r.get("batch")) in fresh:
-                    continue
-                yield (f"{src} (from {co.get('date')})" if co else src), mode, r
+        label = f"{src} (from {co.get('date')})" if co else src
+        for mode, field in modes:
+            rows = (rt.get(field) or []) if rt else []
+            new = [r for r in rows if not co or key(rt, mode, r) not in fresh]
+            drafted = {r.get("batch") for r in new if r["drafter"] != "plain"}
+            for r in rows:
+                if r in new or (r["drafter"] == "plain" and r.get("batch") in drafted):
+                    yield label, mode, r
 
 
 def _drafts_with_head(drafter: str) -> bool:

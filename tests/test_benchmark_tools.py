@@ -388,8 +388,20 @@ def test_qwen_summary_tabulates_and_judges_what_was_measured(tmp_path):
     rows = [(src, m, r["drafter"], r["batch"]) for src, m, r in mod.speed_rows(later)]
     assert (carried, "static", "ngram", 1) in rows and (carried, "served", "plain", 8) in rows
     assert (carried, "static", "suffix", 1) not in rows and ("eagle3", "static", "suffix", 1) in rows
+    assert (carried, "static", "plain", 1) in rows          # the kept n-gram row's baseline
     assert mod.goals(later)["every_drafter_speedup>=0.85_tau_batch1"]["ratios"] == {
         f"{carried}: ngram": pytest.approx(0.9), "eagle3: suffix": pytest.approx(1.5 / 1.6)}
+    # suffix timed at another k supersedes nothing; an earlier summary's head brings its runtime, dated
+    other_k = json.loads(again.read_text()) | {"k": 4}
+    again.write_text(json.dumps(other_k))
+    later = mod.summarize(run, None, None, {"eagle3": again})
+    mod.merge(later, s, tmp_path / "earlier.json")
+    assert (carried, "static", "suffix", 1) in [(src, m, r["drafter"], r["batch"])
+                                               for src, m, r in mod.speed_rows(later)]
+    (tmp_path / "empty").mkdir()
+    fresh_only = mod.summarize(tmp_path / "empty", None, None, {})      # no head of its own: the earlier one's
+    mod.merge(fresh_only, s, tmp_path / "earlier.json")
+    assert {src for src, _, _ in mod.speed_rows(fresh_only)} == {carried, f"eagle3 (from {s['date']})"}
 
 
 def test_qwen_summary_says_a_head_diverged_and_keeps_the_untrained_eval_out(tmp_path):
@@ -474,14 +486,15 @@ def test_bench_suffix_replays_answers_and_checks_every_draft(tmp_path):
 
 
 def test_bench_dflash_anchors_trains_what_it_says(tmp_path):
-    """bench_dflash_anchors.py: a DFlash run supervises as many first drafts a batch as it takes anchors, the 'all'
-    run every trained position; each run reports held-out accuracy at the steps asked; the JSON holds the table."""
+    """bench_dflash_anchors.py: a DFlash run supervises as many first drafts a batch as it takes anchors (split over
+    its rows), the 'all' run every trained position; each run reports held-out accuracy at the steps asked; the JSON
+    holds the table."""
     mod = _load("bench_dflash_anchors")
     out = tmp_path / "r.json"
-    res = mod.main(["--steps", "4", "--every", "2", "--anchors", "8,all", "--out", str(out)])
+    res = mod.main(["--steps", "4", "--every", "2", "--anchors", "32,all", "--out", str(out)])
     runs = res["runs"]
-    assert list(runs) == ["eagle3 (TTT 3)", "dflash, 8 anchors", f"dflash, {mod.ROWS * (mod.T - 4)} anchors"]
-    assert runs["dflash, 8 anchors"]["first_drafts_per_batch"] == 8
+    assert list(runs) == ["eagle3 (TTT 3)", "dflash, 32 anchors", f"dflash, {mod.ROWS * (mod.T - 4)} anchors"]
+    assert runs["dflash, 32 anchors"]["first_drafts_per_batch"] == 32     # 2 in each of the 16 rows
     assert runs[f"dflash, {mod.ROWS * (mod.T - 4)} anchors"]["first_drafts_per_batch"] > 100
     for r in runs.values():
         assert [p["step"] for p in r["points"]] == [2, 4]

@@ -201,6 +201,12 @@ def test_a_sweep_cut_short_keeps_the_eval_and_the_points_measured(tiny_target_di
     part = json.loads((out / "sweep_partial.json").read_text())
     assert part["complete"] is False and [p["concurrency"] for p in part["plain"]] == [1]
     assert [(p["drafter"], p["k"]) for p in part["points"]] == [("n-gram (vLLM's rule)", 2), ("suffix decoding", 2)]
+    assert part["created"] == rep["created"] and part["settings"] == rep["settings"]
+    # the next eval into the same folder, without a sweep: the cut sweep's points are not this report's
+    monkeypatch.setattr(stage, "write_json_atomic", real)
+    assert main(["eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--limit", "2",
+                 "--max-new-tokens", "4", "--compare", "ngram", "--out", str(out)]) == 0
+    assert not (out / "sweep_partial.json").exists() and (out / "report.json").is_file()
 
 
 def test_parallel_head_sweeps_only_its_own_k(tiny_target_dir, tmp_path):

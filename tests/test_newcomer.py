@@ -167,7 +167,8 @@ def test_train_summary_is_short_and_counts_the_loop():
     assert len(text.splitlines()) == 3 and "{" not in text
     assert "500 tok/s (3.3 min training, 5.0 min with set-up" in text and "0.21 · 0.15" in text
     assert "peak device memory" not in text                 # a CPU run has none
-    assert "; peak device memory 31.4 GiB)" in train_summary({**s, "peak_memory_gib": 31.4})
+    assert "; peak device memory 31.4 GiB (35.0 reserved))" in train_summary({**s, "peak_memory_gib": 31.4,
+                                                                              "peak_reserved_gib": 35.0})
 
 
 def test_model_card_reads_like_a_hub_card(tmp_path):

@@ -56,7 +56,8 @@ def test_dflash_anchors_only_where_the_first_draft_trains():
     lm[2, 5:9] = 1
     iv = torch.ones(3, 40, dtype=torch.bool)
     a, ok = dflash_anchors(lm, iv, None, 6, torch.Generator().manual_seed(1))
-    assert int(ok.sum()) == 6                        # the micro-batch's budget, over all its rows
+    assert ok.sum(1).tolist() == [2, 0, 2]           # the micro-batch's budget, 6 // 3 rows a row
+    assert a.shape[1] * a.shape[0] <= 6              # so the blocks' tensors stay within it: rows x anchors a row
     assert not ok[1].any()                           # a row with nothing trained gets no block
     for b, lo, hi in ((0, 19, 33), (2, 4, 7)):
         got = a[b][ok[b]]

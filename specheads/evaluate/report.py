@@ -276,13 +276,14 @@ def write_plots(report: dict, out_dir: Path) -> list[str]:
     return paths
 
 
-def _json_safe(x):
+def json_safe(x):
+    """``x`` with NaN and infinities as None (JSON has neither)."""
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
         return None
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -354,7 +355,7 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, str]:
         try:
             tmp.mkdir()
             report["plots"] = [str(given / Path(p).name) for p in write_plots(report, tmp)]
-            _write_durable(tmp / "report.json", json.dumps(_json_safe(report), indent=2, default=str))
+            _write_durable(tmp / "report.json", json.dumps(json_safe(report), indent=2, default=str))
             _write_durable(tmp / "report.md", render_markdown(report))
             if out.is_dir():
                 for p in sorted(out.iterdir()):
@@ -380,7 +381,7 @@ def _write_in_place(report: dict, out: Path, given: Path) -> dict[str, str]:
         tmp.mkdir()
         report["plots"] = [str(given / Path(p).name) for p in write_plots(report, tmp)]
         _write_durable(tmp / "report.md", render_markdown(report))
-        _write_durable(tmp / "report.json", json.dumps(_json_safe(report), indent=2, default=str))
+        _write_durable(tmp / "report.json", json.dumps(json_safe(report), indent=2, default=str))
         for name in sorted(p.name for p in tmp.iterdir() if p.name != "report.json") + ["report.json"]:
             os.replace(tmp / name, out / name)
         shutil.rmtree(tmp, ignore_errors=True)

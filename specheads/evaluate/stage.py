@@ -25,9 +25,9 @@ from specheads.data.sources import resolve_source, split_holdout
 from specheads.errors import SpecheadsError
 from specheads.evaluate.inputs import input_problems
 from specheads.evaluate.lossless import chi_square_check, greedy_lossless
-from specheads.evaluate.report import write_report
+from specheads.evaluate.report import json_safe, write_report
 from specheads.evaluate.sweep import SWEEP_PARTIAL, Candidate, WEIGHTLESS_LABEL, build_candidates, run_sweep
-from specheads.fileio import write_json_atomic
+from specheads.fileio import tmp_path_for, write_json_atomic
 from specheads.formats.convert import load_head_for
 from specheads.runtime.chat import chat_generate
 from specheads.runtime.drafters import forget_responses, make_drafter
@@ -330,27 +330,47 @@ def run_eval(recipe, target=None) -> dict:
         "runs": runs,
         "notes": [],
     }
-    partial = None
+    out = RunDir(recipe).eval
+    partial = out / SWEEP_PARTIAL
+    for stale in (partial, tmp_path_for(partial)):     # an earlier sweep's, cut short: not this run's points
+        stale.unlink(missing_ok=True)
     if sweep is not None:
-        # the sweep serves every point twice over (warm-up, timed): the eval's own figures are published first,
-        # and each point as it is measured goes to sweep_partial.json, so a sweep cut short loses neither
-        write_report(report, RunDir(recipe).eval)
-        partial = RunDir(recipe).eval / SWEEP_PARTIAL
         cands, notes = sweep
         build_candidates(cands, lambda h: drafter_for(RunSpec(h, h)), e.compile, notes)
-        report["sweep"] = run_sweep(engine, target, prompts, recipe, cands, notes,
-                                    progress=lambda part: write_json_atomic(partial, part))
+        report["sweep"] = _sweep_keeping_points(report, out, partial, engine, target, prompts, recipe, cands, notes)
     if e.engine == "vllm":
         from specheads.evaluate.vllm_compare import add_vllm_runs
 
         report = add_vllm_runs(report, recipe, prompts, target, plain=plain)
-    paths = write_report(report, RunDir(recipe).eval)
-    if partial is not None:
-        partial.unlink(missing_ok=True)     # the report holds the whole sweep now
+    paths = write_report(report, out)
+    partial.unlink(missing_ok=True)         # the report holds the whole sweep now
     print(f"report: {paths['md']} ({len(paths['plots'])} plots)")
     if e.update_card:  # only when asked: evaluating a head leaves its directory byte-identical
         _update_model_cards(specs, paths["json"])
     return report
+
+
+def _sweep_keeping_points(report: dict, out: Path, partial: Path, engine, target, prompts, recipe, cands,
+                          notes) -> dict:
+    """The serving sweep (``run_sweep``), which serves every point twice over (warm-up, timed): the eval's own
+    report is published first, and ``partial`` holds the points measured so far, then the finished sweep with its
+    recommendation until the final report replaces it, so a sweep cut short (a time limit, a lost machine) or a
+    failure after it loses none of them. A write that fails is a warning: the sweep goes on."""
+    write_report(report, out)
+    warned = []
+
+    def keep(doc: dict) -> None:
+        try:
+            write_json_atomic(partial, json_safe({"created": report["created"], "settings": report["settings"],
+                                                  **doc}))
+        except OSError as err:
+            if not warned:
+                warned.append(err)
+                print(f"warning: {partial} not written ({err}); the sweep goes on", flush=True)
+
+    sweep = run_sweep(engine, target, prompts, recipe, cands, notes, progress=keep)
+    keep({"complete": True, **sweep})
+    return sweep
 
 
 def _update_model_cards(specs: list[RunSpec], report_json: str) -> None:

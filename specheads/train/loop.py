@@ -538,9 +538,12 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
         "tokens_per_s": tokens_total / max(1e-9, loop_s),
         "precision": run.precision, "world_size": run.world, "epochs_seen": batches.epoch + 1,
         "state_memory_gib": run.state_bytes / 2 ** 30 if run.state_bytes is not None else None,
-        # this rank's most device memory at once (the online target, activations, a DFlash step's blocks): the
-        # headroom a larger micro-batch or more anchors has
+        # this rank's most device memory at once (the online target, activations, a DFlash step's blocks), as
+        # tensors and as the allocator's reserve (what an out-of-memory error counts): the headroom a larger
+        # micro-batch or more anchors has
         "peak_memory_gib": torch.cuda.max_memory_allocated(run.device) / 2 ** 30 if run.device.type == "cuda" else None,
+        "peak_reserved_gib": (torch.cuda.max_memory_reserved(run.device) / 2 ** 30 if run.device.type == "cuda"
+                              else None),
         "profile": profiler.written,
         "time_budget": budget.summary(step) if budget is not None else None,
         # token-budget feeds: padded token slots the step computes and throws away (rows × longest row, or the

@@ -102,18 +102,21 @@ def peagle_loss(head, batch: dict, tv: TargetView, depths: int, keep_ratio: floa
 
 # ---------------------------------------------------------------- DFlash
 def dflash_anchors(loss_mask, in_vocab, attention_mask, count: int, gen: torch.Generator):
-    """Up to ``count`` random anchors for the whole micro-batch, drawn uniformly among the positions a >= 1 whose
-    first drafted token x_{a+1} is trained: the blocks' memory, anchors x block_size x vocabulary, stays bounded
-    however many rows a micro-batch holds. (SpecForge and speculators take up to 512 per sequence or document, a
-    denser sampling: ``count`` sets the density.) Returns ``anchors [B, A]`` (sorted within a row) and
-    ``valid [B, A]``."""
+    """Random anchors, up to ``count // rows`` (at least one) from each row of the micro-batch, drawn uniformly
+    among the row's positions a >= 1 whose first drafted token x_{a+1} is trained. Per row, as SpecForge and
+    speculators anchor each sequence: the blocks' tensors are [rows, anchors a row, block_size, ...] (the logits
+    x draft vocabulary, the block attention x the row's length), so rows x anchors a row stays within ``count``
+    however uneven the rows are. ``count`` sets the density (``bench_dflash_anchors.py``). Returns
+    ``anchors [B, A]`` (sorted within a row) and ``valid [B, A]``."""
     ok = counted_positions(loss_mask, in_vocab, 0, attention_mask).cpu()      # [B, T] at t = a - 1
     B = ok.shape[0]
-    rows, pos = ok.nonzero(as_tuple=True)
-    if rows.numel() > count:
-        keep = torch.randperm(rows.numel(), generator=gen)[:count]
-        rows, pos = rows[keep], pos[keep]
-    picks = [(pos[rows == b] + 1).sort().values for b in range(B)]
+    per_row = max(1, count // B)
+    picks = []
+    for b in range(B):
+        pos = ok[b].nonzero(as_tuple=True)[0]
+        if pos.numel() > per_row:
+            pos = pos[torch.randperm(pos.numel(), generator=gen)[:per_row]]
+        picks.append((pos + 1).sort().values)
     A = max(1, max(p.numel() for p in picks))
     anchors = torch.ones(B, A, dtype=torch.long)
     valid = torch.zeros(B, A, dtype=torch.bool)
