@@ -288,9 +288,10 @@ class TrainConfig(_Section):
     # P-EAGLE's conditional drop-token sampling: depth d keeps max(keep_ratio^d, keep_min) of its candidates
     peagle_keep_ratio: float = Field(0.7, gt=0.0, le=1.0)
     peagle_keep_min: float = Field(0.2, ge=0.0, le=1.0)
-    # DFlash: blocks per micro-batch (random anchors over all its trained positions): the blocks' logits, anchors x
-    # block_size x draft vocabulary, bound the step's memory, and the anchors' share of the positions is how much of
-    # the batch supervises the head (the references take up to 512 per sequence; bench_dflash_anchors.py)
+    # DFlash: blocks per micro-batch (random anchors, an equal share from each row): the blocks' logits, rows x
+    # anchors a row x block_size x draft vocabulary, bound the step's memory, and the anchors' share of the positions
+    # is how much of the batch supervises the head (the references take up to 512 per sequence; see
+    # bench_dflash_anchors.py)
     dflash_anchors: int = Field(512, ge=1)
     dflash_gamma: float = Field(4.0, gt=0.0)  # DFlash: block slot j's loss weight exp(-(j-1)/gamma)
     epochs: float = Field(1.0, gt=0.0)  # passes over the train rows (fractional: a part of one)
