@@ -179,9 +179,8 @@ fi
 if [ -n "${SWEEP:-}" ]; then
   # two serving passes a point, 3 x (1 + drafters x k) points: well past a stage's default 900 s on this target
   LIMIT=2400 stage sweep_$KIND $S eval $R "${OV[@]}" "${KO[@]}" "eval.prompts=$RUN/data/code_holdout.json" \
-    eval.split=all \
-    eval.limit=${SWEEP_LIMIT:-32} "eval.head=[$ED]" "eval.compare=[ngram,suffix]" eval.sweep.enabled=true \
-    "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.update_card=true eval.out=$RUN/eval_sweep_$KIND
+    eval.split=all eval.limit=${SWEEP_LIMIT:-32} "eval.head=[$ED]" "eval.compare=[ngram,suffix]" \
+    eval.sweep.enabled=true "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.update_card=true eval.out=$RUN/eval_sweep_$KIND
 fi
 bandwidth
 summary; trap - EXIT

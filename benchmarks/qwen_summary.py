@@ -305,10 +305,10 @@ def speed_rows(summary: dict):
         label = f"{src} (from {co.get('date')})" if co else src
         for mode, field in modes:
             rows = (rt.get(field) or []) if rt else []
-            new = [r for r in rows if not co or key(rt, mode, r) not in fresh]
-            drafted = {r.get("batch") for r in new if r["drafter"] != "plain"}
-            for r in rows:
-                if r in new or (r["drafter"] == "plain" and r.get("batch") in drafted):
+            superseded = [bool(co) and key(rt, mode, r) in fresh for r in rows]
+            drafted = {r.get("batch") for r, old in zip(rows, superseded) if not old and r["drafter"] != "plain"}
+            for r, old in zip(rows, superseded):
+                if not old or (r["drafter"] == "plain" and r.get("batch") in drafted):
                     yield label, mode, r
 
 

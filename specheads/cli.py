@@ -271,7 +271,7 @@ def train_summary(s: dict) -> str:
              f"{minutes:.1f} min with set-up, evaluation and saving; {s['world_size']} process(es), {s['precision']}"
              + (f"; {100 * s['padding_fraction']:.1f}% of token slots padding" if s.get("padding_fraction") is not None
                 else "")
-             + (f"; peak device memory {s['peak_memory_gib']:.1f} GiB ({s.get('peak_reserved_gib') or 0:.1f} reserved)"
+             + (f"; peak device memory {s['peak_memory_gib']:.1f} GiB ({s['peak_reserved_gib']:.1f} reserved)"
                 if s.get("peak_memory_gib") is not None else "") + ")"]
     ev = s.get("eval") or {}
     if ev.get("loss") is not None:

@@ -528,6 +528,7 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
         dist.barrier()
     elapsed = time.time() - run.t_start
     train_dir = run.train_dir
+    cuda = run.device.type == "cuda"
     return {
         "kind": run.cfg.kind, "steps": step, "start_step": resume_step or 0, "total_steps": run.total,
         "losses": losses, "final_loss": losses[-1] if losses else None, "eval": last_eval,
@@ -541,9 +542,8 @@ def _train(recipe, target, feed, eval_feed, vocab, progress) -> dict:
         # this rank's most device memory at once (the online target, activations, a DFlash step's blocks), as
         # tensors and as the allocator's reserve (what an out-of-memory error counts): the headroom a larger
         # micro-batch or more anchors has
-        "peak_memory_gib": torch.cuda.max_memory_allocated(run.device) / 2 ** 30 if run.device.type == "cuda" else None,
-        "peak_reserved_gib": (torch.cuda.max_memory_reserved(run.device) / 2 ** 30 if run.device.type == "cuda"
-                              else None),
+        "peak_memory_gib": torch.cuda.max_memory_allocated(run.device) / 2 ** 30 if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(run.device) / 2 ** 30 if cuda else None,
         "profile": profiler.written,
         "time_budget": budget.summary(step) if budget is not None else None,
         # token-budget feeds: padded token slots the step computes and throws away (rows × longest row, or the
