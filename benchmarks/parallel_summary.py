@@ -1,11 +1,13 @@
 """The parallel drafters beside EAGLE-3 on the same rows: ``OUT/parallel.json`` and a Markdown table.
 
-Reads what ``gpu_parallel.sh`` wrote under its directory (nothing is re-measured here): per head kind the
-eval reports ``eval_{kind}_{set}/report.json``, the training metrics ``train_{kind}/metrics.jsonl`` and
-``runtime_{kind}.json`` (bench_runtime), plus the script's timeline. Per head and eval set: τ (tokens per
-target forward), α by position, τ per category with n-gram's beside it and their ratio, speedup and the
-greedy lossless check; per head: training tokens/s and the held-out τ the trainer measured last; the goals
-of the parallel drafters judged on what was measured (anything not run is said so).
+Reads what ``gpu_parallel.sh`` wrote under its directory (nothing is re-measured here): per head (named by its
+kind and size, ``dflash_b16``, ``peagle_k4``; a bare kind in older runs) the eval reports
+``eval_{head}_{set}/report.json``, the training metrics ``train_{head}/metrics.jsonl`` and its recipe in
+``final/meta.json``, and ``runtime_{head}.json`` (bench_runtime), plus the script's timeline. Per head and eval
+set: τ (tokens per target forward), α by position, τ per category with n-gram's beside it and their ratio, speedup
+and the greedy lossless check; per head: training tokens/s, its lr, epochs and DFlash anchors, and the held-out τ
+the trainer measured last; the goals of the parallel drafters judged on what was measured, each kind by its best
+head (anything not run is said so).
 
     python benchmarks/parallel_summary.py OUT/run/parallel --timeline OUT/timeline.txt --out OUT/parallel.json \\
         [--md OUT/parallel.md]
@@ -46,11 +48,13 @@ def training(train_dir: Path, rows: list[dict] | None = None) -> dict | None:
     # the step-0 eval is the untrained head's: not a held-out figure of this head
     ev = [r for r in rows if r.get("split") == "eval" and r.get("step")]
     head_config = _load(train_dir / "final" / "head_config.json")
+    recipe_train = ((_load(train_dir / "final" / "meta.json") or {}).get("recipe") or {}).get("train") or {}
     out = {"steps": train[-1]["step"] if train else None,
            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in train) if train else None,
            "heldout_sim_tau": ev[-1].get("sim_tau") if ev else None,
            "heldout_step_acc": ev[-1].get("step_acc") if ev else None,
-           "head_config": head_config}
+           "head_config": head_config,
+           **{k: recipe_train.get(k) for k in ("lr", "epochs", "dflash_anchors", "data_fraction")}}
     div = _load(train_dir / "diverged.json")
     # the trainer stopped here (specheads.train.step.diverged): what, where, which rows; a resumed run that finished
     # leaves the file behind, and its final/ says it is stale
@@ -75,67 +79,109 @@ def head_vs_ngram(s: dict) -> dict | None:
                                                            for v in cats.values())}
 
 
+def head_names(root: Path) -> list[str]:
+    """The heads with a training or an eval under ``root``: ``train_{head}`` and ``eval_{head}_{set}``."""
+    names = {p.name[len("train_"):] for p in root.glob("train_*") if p.is_dir()}
+    for name in SETS:
+        names |= {p.name[len("eval_"):-len(name) - 1] for p in root.glob(f"eval_*_{name}") if p.is_dir()}
+    return sorted(names, key=lambda n: (KINDS.index(kind_of(n)) if kind_of(n) in KINDS else len(KINDS), n))
+
+
+def kind_of(head: str) -> str:
+    return head.split("_")[0]
+
+
 def summarize(root: Path, timeline_file: Path | None = None) -> dict:
     out = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
            "stages": timeline(timeline_file), "heads": {}}
-    for kind in KINDS:
-        h = {"training": training(root / f"train_{kind}"), "evals": {}, "runtime": _load(root / f"runtime_{kind}.json")}
+    for head in head_names(root):
+        h = {"kind": kind_of(head), "training": training(root / f"train_{head}"), "evals": {},
+             "runtime": _load(root / f"runtime_{head}.json")}
         for name in SETS:
-            rep = _load(root / f"eval_{kind}_{name}" / "report.json")
+            rep = _load(root / f"eval_{head}_{name}" / "report.json")
             h["evals"][name] = head_vs_ngram(eval_set(rep)) if rep else "not run"
-        if h["training"] is None and all(v == "not run" for v in h["evals"].values()):
-            h = "not run"
-        out["heads"][kind] = h
+        out["heads"][head] = h
+    for kind in KINDS:
+        if not any(kind_of(head) == kind for head in out["heads"]):
+            out["heads"][kind] = "not run"
     out["goals"] = goals(out["heads"])
     return relative(out, root)
 
 
+def _of_kind(heads: dict, kind: str) -> list[dict]:
+    return [h for name, h in heads.items() if kind_of(name) == kind and isinstance(h, dict)]
+
+
+def _eval(h: dict, name: str) -> dict | None:
+    e = h["evals"].get(name)
+    return e if isinstance(e, dict) else None
+
+
 def _tau(heads: dict, kind: str, name: str):
-    h = heads.get(kind)
-    e = h["evals"].get(name) if isinstance(h, dict) else None
-    return e["tau"] if isinstance(e, dict) else None
+    """The best τ of ``kind``'s heads on eval set ``name``, None where none was evaluated."""
+    taus = [e["tau"] for h in _of_kind(heads, kind) if (e := _eval(h, name))]
+    return max(taus) if taus else None
 
 
-def _speedup(heads: dict, kind: str, batch: int, mode: str):
-    """The head's speedup over plain decoding at ``batch`` in its runtime benchmark (``rows``: a static batch,
-    ``serving``: continuous batching), None where not measured."""
-    h = heads.get(kind)
-    rt = h.get("runtime") if isinstance(h, dict) else None
-    for r in (rt or {}).get(mode) or []:
-        if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head"):
-            return r["speedup"]
-    return None
+def _speedup(heads: dict, kind: str, batch: int, mode: str, k: int | None = None):
+    """The best speedup over plain decoding at ``batch`` of ``kind``'s heads (those drafting ``k`` tokens, if
+    given) in their runtime benchmark (``rows``: a static batch, ``serving``: continuous batching), None where
+    not measured."""
+    got = [r["speedup"] for h in _of_kind(heads, kind) for r in ((h.get("runtime") or {}).get(mode) or [])
+           if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head")
+           and (k is None or (h.get("runtime") or {}).get("k") == k)]
+    return max(got) if got else None
+
+
+def _same_k(heads: dict) -> list[tuple[dict, dict]]:
+    """(P-EAGLE, EAGLE-3) mixed-set evals drafting the same k."""
+    e3 = {e["k"]: e for h in _of_kind(heads, "eagle3") if (e := _eval(h, "mixed"))}
+    return [(e, e3[e["k"]]) for h in _of_kind(heads, "peagle") if (e := _eval(h, "mixed")) and e["k"] in e3]
 
 
 def goals(heads: dict) -> dict:
-    """The goals where their inputs were measured: τ from the evals, speedups from the runtime benchmark."""
+    """The goals where their inputs were measured: τ from the evals, speedups from the runtime benchmark; each
+    kind by its best head."""
     g = {}
     for name, want in (("mixed", 4.0), ("vicuna", 3.5)):
         t = _tau(heads, "dflash", name)
         g[f"dflash_tau_{name}>={want}"] = "not run" if t is None else {"value": t, "met": t >= want}
-    p, e = _tau(heads, "peagle", "mixed"), _tau(heads, "eagle3", "mixed")
-    g["peagle_tau>=eagle3_tau_same_k (mixed)"] = ("not run" if p is None or e is None
-                                                   else {"peagle": p, "eagle3": e, "met": p >= e})
+    pairs = _same_k(heads)
+    g["peagle_tau>=eagle3_tau_same_k (mixed)"] = (
+        "not run" if not pairs else [{"k": p["k"], "peagle": p["tau"], "eagle3": e["tau"], "met": p["tau"] >= e["tau"]}
+                                     for p, e in pairs])
     d1, d8 = _speedup(heads, "dflash", 1, "rows"), _speedup(heads, "dflash", 8, "serving")
     g["dflash_speedup_batch1>=3.0"] = "not run" if d1 is None else {"value": d1, "met": d1 >= 3.0}
     g["dflash_speedup_served8>=1.5"] = "not run" if d8 is None else {"value": d8, "met": d8 >= 1.5}
-    p1, e1 = _speedup(heads, "peagle", 1, "rows"), _speedup(heads, "eagle3", 1, "rows")
-    g["peagle_speedup_batch1>=1.2x_eagle3"] = ("not run" if p1 is None or e1 is None
-                                               else {"peagle": p1, "eagle3": e1, "met": p1 >= 1.2 * e1})
+    speed = [(p["k"], p1, e1) for p, _ in pairs if (p1 := _speedup(heads, "peagle", 1, "rows", p["k"])) is not None
+             and (e1 := _speedup(heads, "eagle3", 1, "rows", p["k"])) is not None]
+    g["peagle_speedup_batch1>=1.2x_eagle3"] = (
+        "not run" if not speed
+        else [{"k": k, "peagle": p1, "eagle3": e1, "met": p1 >= 1.2 * e1} for k, p1, e1 in speed])
     for kind in ("peagle", "dflash"):
-        h = heads.get(kind)
-        m = h["evals"].get("mixed") if isinstance(h, dict) else None
+        ms = [e for h in _of_kind(heads, kind) if (e := _eval(h, "mixed"))]
         g[f"{kind}_over_ngram>={NGRAM_RATIO}_every_category"] = (
-            "not run" if not isinstance(m, dict) else {"met": m["every_category_ratio_met"]})
+            "not run" if not ms else {"met": any(m["every_category_ratio_met"] for m in ms)})
     return g
 
 
+def _recipe(t: dict | None) -> str:
+    """A head's training in a few words: lr, epochs, data fraction, DFlash's anchors a micro-batch."""
+    t = t or {}
+    words = [f"lr {t['lr']:g}" if t.get("lr") is not None else None,
+             f"{t['epochs']:g} ep" if t.get("epochs") is not None else None,
+             f"{t['data_fraction']:g} of rows" if t.get("data_fraction") not in (None, 1, 1.0) else None,
+             f"{t['dflash_anchors']} anchors" if t.get("dflash_anchors") and (t.get("head_config") or {}).get(
+                 "kind") == "dflash" else None]
+    return ", ".join(w for w in words if w) or "–"
+
+
 def markdown(s: dict) -> str:
-    lines = ["| head | eval set | k | τ | n-gram τ | speedup | α by position | lossless | train tok/s |",
-             "|---|---|---:|---:|---:|---:|---|---|---:|"]
-    for kind, h in s["heads"].items():
+    lines = ["| head | eval set | k | τ | n-gram τ | speedup | α by position | lossless | train tok/s | training |",
+             "|---|---|---:|---:|---:|---:|---|---|---:|---|"]
+    for head, h in s["heads"].items():
         if not isinstance(h, dict):
-            lines.append(f"| {kind} | not run | | | | | | | |")
+            lines.append(f"| {head} | not run | | | | | | | | |")
             continue
         tps = (h["training"] or {}).get("tokens_per_s_median")
         tps = f"{tps:,.0f}" if tps else "not measured"
@@ -145,15 +191,15 @@ def markdown(s: dict) -> str:
             alpha = ", ".join("–" if a is None else f"{a:.2f}" for a in (e["alpha"] or []))
             ll = e["lossless"] or {}
             speed = "–" if e["speedup"] is None else f"{e['speedup']:.2f}×"
-            lines.append(f"| {kind} | {name} | {e['k']} | {e['tau']:.2f} | {e['ngram_tau']:.2f} | {speed} | {alpha} | "
-                         f"{ll.get('identical')}/{ll.get('total')} | {tps} |")
+            lines.append(f"| {head} | {name} | {e['k']} | {e['tau']:.2f} | {e['ngram_tau']:.2f} | {speed} | {alpha} | "
+                         f"{ll.get('identical')}/{ll.get('total')} | {tps} | {_recipe(h['training'])} |")
     return "\n".join(lines) + "\n"
 
 
 def runtime_markdown(s: dict) -> str:
     """Decode speed per head (bench_runtime): τ and speedup over plain decoding, static batches and served."""
     lines = ["| head | drafter | batch | mode | τ | tok/s | speedup | lossless |", "|---|---|---:|---|---:|---:|---:|---|"]
-    for kind, h in s["heads"].items():
+    for head, h in s["heads"].items():
         rt = h.get("runtime") if isinstance(h, dict) else None
         if not rt:
             continue
@@ -161,7 +207,7 @@ def runtime_markdown(s: dict) -> str:
             for r in rows:
                 if r.get("drafter") == "plain":
                     continue
-                lines.append(f"| {kind} | {r['drafter']} | {r['batch']} | {mode} | {r['tau']:.2f} | "
+                lines.append(f"| {head} | {r['drafter']} | {r['batch']} | {mode} | {r['tau']:.2f} | "
                              f"{r['tokens_per_s']:,.0f} | {r['speedup']:.2f}× | {'yes' if r.get('lossless') else 'NO'} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 

@@ -298,23 +298,34 @@ def test_gpu_scripts_name_no_machine_paths():
 
 
 def test_parallel_summary_reads_each_heads_reports(tmp_path):
-    """parallel_summary.py: per head kind the eval report (τ, n-gram's, per-category ratio, lossless), the training
-    metrics (tok/s, held-out τ); a head with nothing on disk is 'not run', and so is every goal it feeds."""
+    """parallel_summary.py: per head (kind and size, or a bare kind in older runs) the eval report (τ, n-gram's,
+    per-category ratio, lossless), the training metrics (tok/s, held-out τ) and its recipe's lr and anchors; a kind
+    with nothing on disk is 'not run', and so is every goal it feeds; a goal takes each kind's best head and pairs
+    P-EAGLE with EAGLE-3 at the same k only."""
     mod = _load("parallel_summary")
     root = tmp_path / "parallel"
     report = json.loads((REPO / "benchmarks/results/smollm2_reference/eval_mixed/report.json").read_text())
-    for kind in ("eagle3", "peagle"):
-        (root / f"eval_{kind}_mixed").mkdir(parents=True)
-        (root / f"eval_{kind}_mixed" / "report.json").write_text(json.dumps(report))
-        (root / f"train_{kind}").mkdir()
-        rows = [{"split": "train", "step": 1, "tokens_per_s": 100.0}, {"split": "train", "step": 2, "tokens_per_s": 300.0},
-                {"split": "eval", "step": 2, "sim_tau": 1.7, "step_acc": [0.5]}]
-        (root / f"train_{kind}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [{"split": "train", "step": 1, "tokens_per_s": 100.0}, {"split": "train", "step": 2, "tokens_per_s": 300.0},
+            {"split": "eval", "step": 2, "sim_tau": 1.7, "step_acc": [0.5]}]
+    for head in ("eagle3", "peagle_k3", "peagle_k8"):
+        rep = json.loads(json.dumps(report))
+        if head == "peagle_k8":    # another k: no EAGLE-3 head to compare with
+            for run in rep["runs"]:
+                run["k"] = 8
+        (root / f"eval_{head}_mixed").mkdir(parents=True)
+        (root / f"eval_{head}_mixed" / "report.json").write_text(json.dumps(rep))
+        (root / f"train_{head}" / "final").mkdir(parents=True)
+        (root / f"train_{head}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "train_peagle_k3" / "final" / "meta.json").write_text(json.dumps(
+        {"recipe": {"train": {"lr": 6e-4, "epochs": 2, "dflash_anchors": 2048, "data_fraction": 1.0}}}))
     (tmp_path / "timeline.txt").write_text("[10:00:00] end train_eagle3 rc=0 78s\n")
     s = mod.main([str(root), "--timeline", str(tmp_path / "timeline.txt"), "--out", str(tmp_path / "p.json"),
                   "--md", str(tmp_path / "p.md")])
+    assert list(s["heads"]) == ["eagle3", "peagle_k3", "peagle_k8", "dflash"]
     e = s["heads"]["eagle3"]
+    assert e["kind"] == "eagle3" and e["training"]["lr"] is None
     assert e["training"]["tokens_per_s_median"] == 200.0 and e["training"]["heldout_sim_tau"] == 1.7
+    assert s["heads"]["peagle_k3"]["training"]["lr"] == 6e-4
     mixed = e["evals"]["mixed"]
     assert mixed["tau"] == pytest.approx(2.5745, abs=1e-3) and mixed["lossless"]["identical"] == 152
     assert mixed["per_category"]["code"]["ratio"] == pytest.approx(2.885 / mixed["per_category"]["code"]["ngram"],
@@ -322,9 +333,13 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     assert not mixed["every_category_ratio_met"]      # translation: 2.79 against n-gram's 2.22
     assert e["evals"]["vicuna"] == "not run" and s["heads"]["dflash"] == "not run"
     assert s["goals"]["dflash_tau_mixed>=4.0"] == "not run"
-    assert s["goals"]["peagle_tau>=eagle3_tau_same_k (mixed)"]["met"] is True       # equal reports
+    same_k = s["goals"]["peagle_tau>=eagle3_tau_same_k (mixed)"]
+    assert [(g["k"], g["met"]) for g in same_k] == [(3, True)]      # equal reports; K 8 has no EAGLE-3 beside it
+    assert s["goals"]["peagle_speedup_batch1>=1.2x_eagle3"] == "not run"
     assert s["stages"]["train_eagle3"] == {"rc": 0, "seconds": 78}
-    assert "| peagle | mixed | 3 | 2.57 |" in (tmp_path / "p.md").read_text()
+    md = (tmp_path / "p.md").read_text()
+    assert "| peagle_k3 | mixed | 3 | 2.57 |" in md and "| peagle_k8 | mixed | 8 |" in md
+    assert "lr 0.0006, 2 ep |" in md and "| dflash | not run |" in md
 
 
 def _runtime(rows, serving=()):
