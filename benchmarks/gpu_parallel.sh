@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The parallel drafters beside EAGLE-3 on one GPU, all on the same rows of the SmolLM2 reference data:
 #   1. the reference recipe's data stages and dump (gpu_reference.sh with STOP_AFTER_DUMP=1; a run that has them
-#      goes straight on, one with the vocabulary but no dump makes the dump alone; no dump when every head of HEADS
+#      goes straight on, one with the data stages but no dump makes the dump alone; no dump when every head of HEADS
 #      is DFlash)
 #   2. each head of HEADS (EAGLE-3, P-EAGLE, DFlash, each at its k or block size) trained on the same FRACTION of
 #      the rows for EPOCHS (DFlash online: it reads five other layers than the dump holds), each with its recipe
@@ -45,9 +45,8 @@ summary() { python3 benchmarks/parallel_summary.py "$P" --timeline "$OUT/timelin
 # 1. the data stages and the dump, exactly as the reference run makes them (same overrides, same RUN)
 #    (no dump when every head of HEADS trains online: DFlash reads other layers than the dump holds)
 OFFLINE=$(printf '%s\n' $HEADS | grep -v '^dflash:')
-READY=$([ -f "$RUN/vocab/vocab.json" ] && echo 1)
 if [ -n "$OFFLINE" ] && [ ! -f "$RUN/dump/manifest.json" ]; then
-  DATA_READY=$READY STOP_AFTER_DUMP=1 RUN=$RUN bash "$(dirname "$0")/gpu_reference.sh" "$GGUF" "$DATA" "$OUT" ||
+  STOP_AFTER_DUMP=1 RUN=$RUN bash "$(dirname "$0")/gpu_reference.sh" "$GGUF" "$DATA" "$OUT" ||
     { log "data stages failed"; exit 1; }
 elif [ -z "$OFFLINE" ] && [ ! -f "$RUN/vocab/vocab.json" ]; then
   STOP_BEFORE_DUMP=1 RUN=$RUN bash "$(dirname "$0")/gpu_reference.sh" "$GGUF" "$DATA" "$OUT" ||

@@ -78,6 +78,15 @@ reports() { tar czf "$1" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/t
 stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-400}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; reports "$OUT/reports.tar.gz"; return $rc; }
+# a data stage (synthesize .. dump) that finished with the same command is skipped, unless an earlier one ran again in
+# this invocation (what it wrote may have changed): a second run, or gpu_parallel.sh asking for the dump after the
+# data stages, would otherwise load the target for each only to find its work done (~100 s on an H100, 2026-12-07)
+DONE=$RUN/.stages; RAN=
+data_stage() { local name=$1 key; shift; key=$(printf '%s\n' "$@" | sha256sum | cut -c1-16)
+  if [ -z "$RAN" ] && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then log "skip $name (finished before)"; return 0; fi
+  RAN=1; mkdir -p "$DONE"; rm -f "$DONE/$name"
+  stage "$name" "$@" || return $?
+  echo "$key" > "$DONE/$name"; }
 summary() { stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \
   --eval mixed=$RUN/eval_mixed --eval vicuna=$RUN/eval_vicuna --eval gsm8k_holdout=$RUN/eval_gsm8k_holdout \
   --eval vicuna_k5=$RUN/eval_extras --eval vicuna_t07=$RUN/eval_t07 --eval vicuna_tree=$RUN/eval_tree \
@@ -98,11 +107,8 @@ df -h . "$OUT" 2>/dev/null | tee -a "$OUT/timeline.txt"
   --smollm2-device $DEVICE --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES --out "$OUT/bench_train.json"
 
 SW=$RUN/sweep
-# DATA_READY=1 (gpu_parallel.sh, once the vocabulary is there): straight to the dump. The data stages would only
-# find their work done, but each loads the target first (about 100 s of a run on an H100, 2026-12-07)
-[ -n "${DATA_READY:-}" ] && log "data stages done before: skipped" || {
-stage synthesize $S data synthesize $R "${OV[@]}" && stage regenerate $S data regenerate $R "${OV[@]}" && \
-stage prepare $S data prepare $R "${OV[@]}" && stage vocab $S vocab $R "${OV[@]}" || { summary; log done; exit 1; }; }
+data_stage synthesize $S data synthesize $R "${OV[@]}" && data_stage regenerate $S data regenerate $R "${OV[@]}" && \
+data_stage prepare $S data prepare $R "${OV[@]}" && data_stage vocab $S vocab $R "${OV[@]}" || { summary; log done; exit 1; }
 # STOP_BEFORE_DUMP=1: the data stages alone (gpu_parallel.sh when every head it trains reads the target online)
 [ -n "${STOP_BEFORE_DUMP:-}" ] && { log done; exit 0; }
 # bf16 states take 4.6 kB a token here; fp8 about half: the store must leave DISK_MARGIN_GB for checkpoints
@@ -117,7 +123,7 @@ print('bfloat16' if need + $DISK_MARGIN_GB <= free else 'fp8')
 print(f'dump: {n:,} tokens, bf16 needs {need:.1f} GB, {free:.1f} GB free', file=sys.stderr)" 2>> "$OUT/timeline.txt")
 log "dump dtype ${DUMP_DTYPE:=bfloat16}"
 OV+=(dump.dtype=$DUMP_DTYPE)
-stage dump $S dump $R "${OV[@]}" || { summary; log done; exit 1; }
+data_stage dump $S dump $R "${OV[@]}" || { summary; log done; exit 1; }
 # STOP_AFTER_DUMP=1: the data stages and the dump alone (gpu_parallel.sh trains its heads on them)
 [ -n "${STOP_AFTER_DUMP:-}" ] && { log done; exit 0; }
 
