@@ -16,9 +16,10 @@
 # Environment: FRACTION (default 0.3), EPOCHS (default 2), HEADS (the heads to train, each KIND:SIZE, SIZE being
 # EAGLE-3's and P-EAGLE's k and DFlash's block size; default from KINDS (default "eagle3 peagle dflash"), K (default
 # 4) and BLOCK (default 16); each head's files are named KIND_kSIZE or dflash_bSIZE), ANCHORS (DFlash's anchors per
-# micro-batch, default 2048 as its recipe; the figures of 2026-12-06/07 ran 512), LR (default 1e-3), SETS (eval sets,
-# default "mixed vicuna"), RUNTIME=1, EXTRA_OV (more overrides for every stage), RUN (default OUT/run), SMALL=1
-# DEVICE=cpu (a CPU smoke test of this script). Every stage resumes after a kill.
+# micro-batch, default 2048 as its recipe; BENCHMARKS.md names each figure's), LR (default 1e-3), SETS (eval sets,
+# default "mixed vicuna"), RUNTIME=1, EXTRA_OV (more overrides for every stage), RUN (default OUT/run), LIMIT (seconds
+# a stage may take, default 600) and LIMIT_TRAIN (a training, default 1800), SMALL=1 DEVICE=cpu (a CPU smoke test of
+# this script). Every stage resumes after a kill.
 set -u
 GGUF=${1:-${GGUF:-}}; DATA=${2:-${DATA:-data}}; OUT=${3:-${OUT:-out}}
 . "$(dirname "$0")/gpu_setup.sh"
@@ -61,7 +62,8 @@ for h in $HEADS; do
   [ $kind = dflash ] && { name=dflash_b$k; HOV=(head.block_size=$k); k=$(( k - 1 )); }
   R=recipes/smollm2_${kind}_gpu.yaml; TD=$P/train_$name; ED=$P/$name
   resume=$([ -d $TD/checkpoints ] && echo true || echo false)
-  stage train_$name $S train $R "${OV[@]}" "${HOV[@]}" train.out=$TD train.resume=$resume || continue
+  LIMIT=${LIMIT_TRAIN:-1800} stage train_$name $S train $R "${OV[@]}" "${HOV[@]}" train.out=$TD train.resume=$resume ||
+    continue
   stage export_$name $S export $R "${OV[@]}" "${HOV[@]}" train.out=$TD export.out=$ED export.k=$k || continue
   for set in $SETS; do
     case $set in
