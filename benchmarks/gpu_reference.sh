@@ -78,12 +78,19 @@ reports() { tar czf "$1" $RUN/eval_* $RUN/ablation/*/config.json $RUN/ablation/t
 stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-400}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"; reports "$OUT/reports.tar.gz"; return $rc; }
-# a data stage (synthesize .. dump) that finished with the same command is skipped, unless an earlier one ran again in
-# this invocation (what it wrote may have changed): a second run, or gpu_parallel.sh asking for the dump after the
-# data stages, would otherwise load the target for each only to find its work done (~100 s on an H100, 2026-12-07)
+# a data stage (synthesize .. dump) that finished with the same inputs and left its output is skipped, unless an
+# earlier one ran again in this invocation (what it wrote may have changed): a second run, or gpu_parallel.sh asking
+# for the dump after the data stages, would otherwise load the target for each only to find its work done (~100 s on
+# an H100, 2026-12-07). The inputs: the command less the later stages' overrides, the recipe and the prompt files
 DONE=$RUN/.stages; RAN=
-data_stage() { local name=$1 key; shift; key=$(printf '%s\n' "$@" | sha256sum | cut -c1-16)
-  if [ -z "$RAN" ] && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then log "skip $name (finished before)"; return 0; fi
+data_key() { local a f
+  { printf '%s\n' "$@" | grep -v '^\(train\|eval\|export\)\.'; sha256sum < "$R"
+    for a in "${OV[@]}"; do case $a in data.sources.*.path=*) f=${a#*=}
+      [ -f "$f" ] && [ "${f#"$RUN"/}" = "$f" ] && sha256sum < "$f";; esac; done; } | sha256sum | cut -c1-16; }
+data_stage() { local name=$1 out=$2 key; shift 2; key=$(data_key "$@")
+  if [ -z "$RAN" ] && [ -e "$out" ] && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then
+    log "skip $name (finished before)"; return 0
+  fi
   RAN=1; mkdir -p "$DONE"; rm -f "$DONE/$name"
   stage "$name" "$@" || return $?
   echo "$key" > "$DONE/$name"; }
@@ -107,8 +114,10 @@ df -h . "$OUT" 2>/dev/null | tee -a "$OUT/timeline.txt"
   --smollm2-device $DEVICE --smollm2-shapes $SHAPES --steps 5 --modes $TRAIN_MODES --out "$OUT/bench_train.json"
 
 SW=$RUN/sweep
-data_stage synthesize $S data synthesize $R "${OV[@]}" && data_stage regenerate $S data regenerate $R "${OV[@]}" && \
-data_stage prepare $S data prepare $R "${OV[@]}" && data_stage vocab $S vocab $R "${OV[@]}" || { summary; log done; exit 1; }
+data_stage synthesize $RUN/data/synthesized.jsonl $S data synthesize $R "${OV[@]}" &&
+  data_stage regenerate $RUN/data/regenerated.jsonl $S data regenerate $R "${OV[@]}" &&
+  data_stage prepare $RUN/data/rows/summary.json $S data prepare $R "${OV[@]}" &&
+  data_stage vocab $RUN/vocab/vocab.json $S vocab $R "${OV[@]}" || { summary; log done; exit 1; }
 # STOP_BEFORE_DUMP=1: the data stages alone (gpu_parallel.sh when every head it trains reads the target online)
 [ -n "${STOP_BEFORE_DUMP:-}" ] && { log done; exit 0; }
 # bf16 states take 4.6 kB a token here; fp8 about half: the store must leave DISK_MARGIN_GB for checkpoints
@@ -123,7 +132,7 @@ print('bfloat16' if need + $DISK_MARGIN_GB <= free else 'fp8')
 print(f'dump: {n:,} tokens, bf16 needs {need:.1f} GB, {free:.1f} GB free', file=sys.stderr)" 2>> "$OUT/timeline.txt")
 log "dump dtype ${DUMP_DTYPE:=bfloat16}"
 OV+=(dump.dtype=$DUMP_DTYPE)
-data_stage dump $S dump $R "${OV[@]}" || { summary; log done; exit 1; }
+data_stage dump $RUN/dump/manifest.json $S dump $R "${OV[@]}" || { summary; log done; exit 1; }
 # STOP_AFTER_DUMP=1: the data stages and the dump alone (gpu_parallel.sh trains its heads on them)
 [ -n "${STOP_AFTER_DUMP:-}" ] && { log done; exit 0; }
 

@@ -123,20 +123,38 @@ def _tau(heads: dict, kind: str, name: str):
     return max(taus) if taus else None
 
 
+def _head_k(h: dict) -> int | None:
+    """The k a head's runtime benchmark drafted (its eval's where the benchmark does not say)."""
+    rt = h.get("runtime") or {}
+    if rt.get("k") is not None:
+        return rt["k"]
+    return next((e["k"] for name in SETS if (e := _eval(h, name))), None)
+
+
 def _speedup(heads: dict, kind: str, batch: int, mode: str, k: int | None = None):
     """The best speedup over plain decoding at ``batch`` of ``kind``'s heads (those drafting ``k`` tokens, if
     given) in their runtime benchmark (``rows``: a static batch, ``serving``: continuous batching), None where
     not measured."""
-    got = [r["speedup"] for h in _of_kind(heads, kind) for r in ((h.get("runtime") or {}).get(mode) or [])
-           if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head")
-           and (k is None or (h.get("runtime") or {}).get("k") == k)]
+    got = [r["speedup"] for h in _of_kind(heads, kind) if k is None or _head_k(h) == k
+           for r in ((h.get("runtime") or {}).get(mode) or [])
+           if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head")]
     return max(got) if got else None
 
 
+def _best_by_k(heads: dict, kind: str) -> dict[int, dict]:
+    """k -> the mixed-set eval of ``kind``'s head with the highest τ at that k."""
+    best: dict[int, dict] = {}
+    for h in _of_kind(heads, kind):
+        e = _eval(h, "mixed")
+        if e and (e["k"] not in best or e["tau"] > best[e["k"]]["tau"]):
+            best[e["k"]] = e
+    return best
+
+
 def _same_k(heads: dict) -> list[tuple[dict, dict]]:
-    """(P-EAGLE, EAGLE-3) mixed-set evals drafting the same k."""
-    e3 = {e["k"]: e for h in _of_kind(heads, "eagle3") if (e := _eval(h, "mixed"))}
-    return [(e, e3[e["k"]]) for h in _of_kind(heads, "peagle") if (e := _eval(h, "mixed")) and e["k"] in e3]
+    """(P-EAGLE, EAGLE-3) mixed-set evals drafting the same k, the best head of each kind at that k."""
+    e3 = _best_by_k(heads, "eagle3")
+    return [(p, e3[k]) for k, p in sorted(_best_by_k(heads, "peagle").items()) if k in e3]
 
 
 def goals(heads: dict) -> dict:
@@ -185,6 +203,8 @@ def markdown(s: dict) -> str:
             continue
         tps = (h["training"] or {}).get("tokens_per_s_median")
         tps = f"{tps:,.0f}" if tps else "not measured"
+        if not any(isinstance(e, dict) for e in h["evals"].values()):
+            lines.append(f"| {head} | not evaluated | | | | | | | {tps} | {_recipe(h['training'])} |")
         for name, e in h["evals"].items():
             if not isinstance(e, dict):
                 continue

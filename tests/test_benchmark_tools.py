@@ -257,6 +257,18 @@ def test_gpu_scripts_refuse_a_missing_gguf(tmp_path, script):
         assert out.returncode == 2 and "no prompt folder" in out.stderr
 
 
+@pytest.mark.parametrize("heads", ["eagle3", "dflash:x", "peagle:0", "medusa:4"])
+def test_gpu_parallel_refuses_a_malformed_head(tmp_path, heads):
+    """gpu_parallel.sh takes HEADS as kind:size and refuses anything else (exit 2, naming the entry) before a stage
+    runs: a bare kind would train under a size of its own name, a non-number fails in the shell's arithmetic."""
+    import subprocess
+
+    out = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_parallel.sh"), "", str(tmp_path), str(tmp_path / "o")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "HEADS": heads})
+    assert out.returncode == 2 and f"HEADS: '{heads}'" in out.stderr, out.stderr
+    assert not (tmp_path / "o" / "timeline.txt").exists()
+
+
 def test_gpu_qwen_refuses_missing_inputs_before_any_stage(tmp_path):
     """gpu_qwen.sh names every missing data file, a missing GGUF source, a parts folder lacking parts and a joined
     file of the wrong sha256, each with exit 2 and before a stage runs (no timeline is written)."""
@@ -318,10 +330,24 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
         (root / f"train_{head}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "train_peagle_k3" / "final" / "meta.json").write_text(json.dumps(
         {"recipe": {"train": {"lr": 6e-4, "epochs": 2, "dflash_anchors": 2048, "data_fraction": 1.0}}}))
+    # a worse EAGLE-3 head at the same k under the new name: the goal pairs P-EAGLE with the better one, once
+    worse = json.loads(json.dumps(report))
+    for run in worse["runs"]:
+        run["metrics"]["tau"] = 1.5
+    (root / "eval_eagle3_k3_mixed").mkdir()
+    (root / "eval_eagle3_k3_mixed" / "report.json").write_text(json.dumps(worse))
+    # runtime benchmarks that do not say their k: the head's eval k stands in
+    for head, speedup in (("eagle3", 1.0), ("peagle_k3", 1.3), ("peagle_k8", 2.0)):
+        (root / f"runtime_{head}.json").write_text(json.dumps(
+            {"rows": [{"batch": 1, "drafter": f"head ({head})", "speedup": speedup, "tau": 1.5, "tokens_per_s": 900.0,
+                       "lossless": True}]}))
+    # trained, not evaluated (yet): its own row, and the kind is no longer 'not run'
+    (root / "train_dflash_b16").mkdir()
+    (root / "train_dflash_b16" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "timeline.txt").write_text("[10:00:00] end train_eagle3 rc=0 78s\n")
     s = mod.main([str(root), "--timeline", str(tmp_path / "timeline.txt"), "--out", str(tmp_path / "p.json"),
                   "--md", str(tmp_path / "p.md")])
-    assert list(s["heads"]) == ["eagle3", "peagle_k3", "peagle_k8", "dflash"]
+    assert list(s["heads"]) == ["eagle3", "eagle3_k3", "peagle_k3", "peagle_k8", "dflash_b16"]
     e = s["heads"]["eagle3"]
     assert e["kind"] == "eagle3" and e["training"]["lr"] is None
     assert e["training"]["tokens_per_s_median"] == 200.0 and e["training"]["heldout_sim_tau"] == 1.7
@@ -331,15 +357,16 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     assert mixed["per_category"]["code"]["ratio"] == pytest.approx(2.885 / mixed["per_category"]["code"]["ngram"],
                                                                    rel=1e-3)
     assert not mixed["every_category_ratio_met"]      # translation: 2.79 against n-gram's 2.22
-    assert e["evals"]["vicuna"] == "not run" and s["heads"]["dflash"] == "not run"
+    assert e["evals"]["vicuna"] == "not run" and s["heads"]["dflash_b16"]["evals"]["mixed"] == "not run"
     assert s["goals"]["dflash_tau_mixed>=4.0"] == "not run"
     same_k = s["goals"]["peagle_tau>=eagle3_tau_same_k (mixed)"]
-    assert [(g["k"], g["met"]) for g in same_k] == [(3, True)]      # equal reports; K 8 has no EAGLE-3 beside it
-    assert s["goals"]["peagle_speedup_batch1>=1.2x_eagle3"] == "not run"
+    # equal reports at k 3 (the better EAGLE-3 head, once); K 8 has no EAGLE-3 beside it
+    assert [(g["k"], g["eagle3"], g["met"]) for g in same_k] == [(3, pytest.approx(2.5745, abs=1e-3), True)]
+    assert s["goals"]["peagle_speedup_batch1>=1.2x_eagle3"] == [{"k": 3, "peagle": 1.3, "eagle3": 1.0, "met": True}]
     assert s["stages"]["train_eagle3"] == {"rc": 0, "seconds": 78}
     md = (tmp_path / "p.md").read_text()
     assert "| peagle_k3 | mixed | 3 | 2.57 |" in md and "| peagle_k8 | mixed | 8 |" in md
-    assert "lr 0.0006, 2 ep |" in md and "| dflash | not run |" in md
+    assert "lr 0.0006, 2 ep |" in md and "| dflash_b16 | not evaluated |" in md and "| dflash | not run |" not in md
 
 
 def _runtime(rows, serving=()):
