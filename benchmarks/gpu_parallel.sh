@@ -30,7 +30,8 @@ FRACTION=${FRACTION:-0.3}; EPOCHS=${EPOCHS:-2}; KINDS=${KINDS:-eagle3 peagle dfl
 HEADS=${HEADS:-$(for kind in $KINDS; do [ $kind = dflash ] && echo dflash:$BLOCK || echo $kind:$K; done)}
 ANCHORS=${ANCHORS:-2048}; LR=${LR:-1e-3}; SETS=${SETS:-mixed vicuna}; VL=80; ML=null
 for h in $HEADS; do
-  [[ $h =~ ^(eagle3|peagle|dflash):[1-9][0-9]*$ ]] || { echo "HEADS: '$h' is not eagle3:K, peagle:K or dflash:BLOCK" >&2; exit 2; }
+  [[ $h =~ ^(eagle3|peagle|dflash):[1-9][0-9]*$ ]] ||
+    { echo "HEADS: '$h' is not eagle3:K, peagle:K or dflash:BLOCK" >&2; exit 2; }
 done
 P=$RUN/parallel
 OV+=(train.data_fraction=$FRACTION train.epochs=$EPOCHS train.lr=$LR train.dflash_anchors=$ANCHORS ${EXTRA_OV:-})
