@@ -78,11 +78,12 @@ OV+=(${EXTRA_OV:-})
 KO=(${TOV[@]+"${TOV[@]}"} train.out=$TD export.out=$ED export.k=$K eval.k=$K)
 T0=$(date +%s)
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/timeline.txt"; }
-# a stage that finished with the same command (train.resume aside) is skipped, unless an earlier stage ran again in
-# this invocation: what it wrote may have changed
+# a stage that finished with the same command (train.resume aside) and the same recipe and prompt files (inputs_key)
+# is skipped, unless an earlier stage ran again in this invocation: what it wrote may have changed
 DONE=$RUN/.stages; RAN=; SKIPPED=
 stage() { local name=$1; shift
-  local key; key=$(printf '%s\n' "$@" | grep -v '^train\.resume=' | sha256sum | cut -c1-16)
+  local key a args=(); for a in "$@"; do [[ $a == train.resume=* ]] || args+=("$a"); done
+  key=$(inputs_key "$RUN" "${args[@]}")
   if [ -z "$RAN" ] && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then
     log "skip $name (finished before)"; SKIPPED=1; return 0
   fi

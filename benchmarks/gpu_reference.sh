@@ -81,13 +81,12 @@ stage() { local name=$1; shift; log "start $name"; local t=$(date +%s)
 # a data stage (synthesize .. dump) that finished with the same inputs and left its output is skipped, unless an
 # earlier one ran again in this invocation (what it wrote may have changed): a second run, or gpu_parallel.sh asking
 # for the dump after the data stages, would otherwise load the target for each only to find its work done (~100 s on
-# an H100, 2026-12-07). The inputs: the command less the later stages' overrides, the recipe and the prompt files
+# an H100, 2026-12-07). The inputs (inputs_key): the command less the later stages' overrides, with the recipe's
+# and the prompt files' content
 DONE=$RUN/.stages; RAN=
-data_key() { local a f
-  { printf '%s\n' "$@" | grep -v '^\(train\|eval\|export\)\.'; sha256sum < "$R"
-    for a in "${OV[@]}"; do case $a in data.sources.*.path=*) f=${a#*=}
-      [ -f "$f" ] && [ "${f#"$RUN"/}" = "$f" ] && sha256sum < "$f";; esac; done; } | sha256sum | cut -c1-16; }
-data_stage() { local name=$1 out=$2 key; shift 2; key=$(data_key "$@")
+data_stage() { local name=$1 out=$2 key a args=(); shift 2
+  for a in "$@"; do case $a in train.*|eval.*|export.*) ;; *) args+=("$a") ;; esac; done
+  key=$(inputs_key "$RUN" "${args[@]}")
   if [ -z "$RAN" ] && [ -e "$out" ] && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then
     log "skip $name (finished before)"; return 0
   fi

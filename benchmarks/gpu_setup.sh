@@ -71,3 +71,16 @@ PY
     TARGET_OV=(target.gguf_parts=null "target.source=$abs")
   fi
 }
+
+# inputs_key RUN ARG...: a key of a stage's inputs, for skipping a stage that finished before with the same ones: the
+# arguments, and the content of each that names a file (as itself or as KEY=FILE) outside RUN and under 64 MB (a
+# recipe, a prompt file; not a GGUF, whose name and the recipe's sha256 stand for it; files under RUN are earlier
+# stages' outputs, which a caller re-runs after any stage that ran again)
+inputs_key() {
+  local run=$1 a f; shift
+  { printf '%s\n' "$@"
+    for a in "$@"; do
+      f=${a#*=}
+      [ -f "$f" ] && [ "${f#"$run"/}" = "$f" ] && [ "$(stat -c %s "$f")" -lt 67108864 ] && sha256sum < "$f"
+    done; } | sha256sum | cut -c1-16
+}

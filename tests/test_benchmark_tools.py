@@ -269,6 +269,41 @@ def test_gpu_parallel_refuses_a_malformed_head(tmp_path, heads):
     assert not (tmp_path / "o" / "timeline.txt").exists()
 
 
+def test_inputs_key_follows_the_files_a_stage_reads(tmp_path):
+    """gpu_setup.sh's inputs_key (the GPU scripts skip a stage that finished before with the same key): it changes
+    with an argument and with the content of a file an argument names, bare or as KEY=FILE, and not with files under
+    the run directory (earlier stages' outputs) or with a file of 64 MB or more (a GGUF)."""
+    import subprocess
+
+    run, recipe, prompts, big = tmp_path / "run", tmp_path / "r.yaml", tmp_path / "p.jsonl", tmp_path / "t.gguf"
+    run.mkdir()
+    (run / "rows.jsonl").write_text("x")
+    recipe.write_text("a")
+    prompts.write_text("p")
+    with open(big, "wb") as f:
+        f.truncate(64 << 20)
+
+    def key(*args):
+        out = subprocess.run(["bash", "-c", f'. benchmarks/gpu_setup.sh; inputs_key "$@"', "k", str(run), *args],
+                             cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+        return out.stdout.strip()
+
+    args = ("data", "prepare", str(recipe), f"data.sources.0.path={prompts}", f"x={run / 'rows.jsonl'}",
+            f"target.source={big}")
+    k0 = key(*args)
+    assert len(k0) == 16 and key(*args) == k0
+    assert key(*args, "train.epochs=3") != k0
+    (run / "rows.jsonl").write_text("y")
+    with open(big, "r+b") as f:
+        f.write(b"GGUF")
+    assert key(*args) == k0
+    recipe.write_text("b")
+    k1 = key(*args)
+    assert k1 != k0
+    prompts.write_text("q")
+    assert key(*args) not in (k0, k1)
+
+
 def test_gpu_qwen_refuses_missing_inputs_before_any_stage(tmp_path):
     """gpu_qwen.sh names every missing data file, a missing GGUF source, a parts folder lacking parts and a joined
     file of the wrong sha256, each with exit 2 and before a stage runs (no timeline is written)."""
