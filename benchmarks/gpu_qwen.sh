@@ -84,10 +84,7 @@ DONE=$RUN/.stages; RAN=; SKIPPED=
 stage() { local name=$1; shift
   local key a args=(); for a in "$@"; do [[ $a == train.resume=* ]] || args+=("$a"); done
   key=$(inputs_key "$RUN" "${args[@]}")
-  if [ -z "$RAN" ] && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then
-    log "skip $name (finished before)"; SKIPPED=1; return 0
-  fi
-  RAN=1; mkdir -p "$DONE"; rm -f "$DONE/$name"
+  finished_before "$name" "$key" && { SKIPPED=1; return 0; }
   log "start $name"; local t=$(date +%s)
   timeout "${LIMIT:-900}" "$@" >> "$OUT/log.txt" 2>&1; local rc=$?
   log "end $name rc=$rc $(( $(date +%s) - t ))s"

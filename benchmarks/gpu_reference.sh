@@ -87,10 +87,7 @@ DONE=$RUN/.stages; RAN=
 data_stage() { local name=$1 out=$2 key a args=(); shift 2
   for a in "$@"; do case $a in train.*|eval.*|export.*) ;; *) args+=("$a") ;; esac; done
   key=$(inputs_key "$RUN" "${args[@]}")
-  if [ -z "$RAN" ] && [ -e "$out" ] && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then
-    log "skip $name (finished before)"; return 0
-  fi
-  RAN=1; mkdir -p "$DONE"; rm -f "$DONE/$name"
+  finished_before "$name" "$key" "$out" && return 0
   stage "$name" "$@" || return $?
   echo "$key" > "$DONE/$name"; }
 summary() { stage summary python3 benchmarks/reference_summary.py --run $RUN --out "$OUT/reference.json" \

@@ -84,3 +84,15 @@ inputs_key() {
       [ -f "$f" ] && [ "${f#"$run"/}" = "$f" ] && [ "$(stat -c %s "$f")" -lt 67108864 ] && sha256sum < "$f"
     done; } | sha256sum | cut -c1-16
 }
+
+# finished_before NAME KEY [OUTPUT]: whether stage NAME can be skipped: it finished before with KEY (its marker in
+# $DONE), OUTPUT (if given) is still there, and no stage ran again earlier in this invocation ($RAN: what it wrote may
+# have changed), said in the caller's log. If not, the marker goes and RAN is set; the caller writes KEY to
+# $DONE/NAME once the stage succeeds
+finished_before() {
+  local name=$1 key=$2 out=${3:-}
+  if [ -z "$RAN" ] && { [ -z "$out" ] || [ -e "$out" ]; } && [ "$(cat "$DONE/$name" 2>/dev/null)" = "$key" ]; then
+    log "skip $name (finished before)"; return 0
+  fi
+  RAN=1; mkdir -p "$DONE"; rm -f "$DONE/$name"; return 1
+}

@@ -304,6 +304,30 @@ def test_inputs_key_follows_the_files_a_stage_reads(tmp_path):
     assert key(*args) not in (k0, k1)
 
 
+def test_finished_before_skips_only_an_unchanged_finished_stage(tmp_path):
+    """gpu_setup.sh's finished_before (both GPU scripts' stage skip): a stage is skipped when its marker holds the
+    same key, its output (if named) is there and no stage ran again earlier in the invocation; otherwise the marker
+    goes and RAN is set, so every later stage runs too."""
+    import subprocess
+
+    out = tmp_path / "rows.json"
+    out.write_text("{}")
+    script = f"""
+. benchmarks/gpu_setup.sh; DONE={tmp_path}/.stages; RAN=; log() {{ echo "$*"; }}
+check() {{ if finished_before "$@"; then echo SKIP; else echo RUN; fi; }}
+check s1 k1 {out}; echo k1 > $DONE/s1                # first time: runs, then marked
+RAN=; check s1 k1 {out}; check s1 k2 {out}          # same key: skipped; another key: runs
+RAN=; check s1 k1 {out}                              # the failed or changed run took the marker away
+echo k1 > $DONE/s1; RAN=; rm {out}; check s1 k1 {out}  # the output is gone
+echo k1 > $DONE/s1; RAN=1; check s1 k1              # a stage ran again before it
+echo k1 > $DONE/s1; RAN=; check s1 k1; echo "RAN=$RAN"
+"""
+    got = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    assert [w for w in got.stdout.split() if w in ("SKIP", "RUN")] == ["RUN", "SKIP", "RUN", "RUN", "RUN", "RUN",
+                                                                         "SKIP"], got.stdout
+    assert "skip s1 (finished before)" in got.stdout and got.stdout.rstrip().endswith("RAN=")
+
+
 def test_gpu_qwen_refuses_missing_inputs_before_any_stage(tmp_path):
     """gpu_qwen.sh names every missing data file, a missing GGUF source, a parts folder lacking parts and a joined
     file of the wrong sha256, each with exit 2 and before a stage runs (no timeline is written)."""
