@@ -294,6 +294,10 @@ class TrainConfig(_Section):
     # bench_dflash_anchors.py)
     dflash_anchors: int = Field(512, ge=1)
     dflash_gamma: float = Field(4.0, gt=0.0)  # DFlash: block slot j's loss weight exp(-(j-1)/gamma)
+    # DFlash's block attention in training: dense (the blocks' scores against the whole row, materialized; any
+    # device) or flex (torch's flex attention with a block mask, as SpecForge trains: no score matrix, and the
+    # context past each anchor is skipped; CUDA only, its backward has no CPU kernel)
+    dflash_attention: Literal["dense", "flex"] = "dense"
     epochs: float = Field(1.0, gt=0.0)  # passes over the train rows (fractional: a part of one)
     max_steps: int | None = Field(None, ge=1)  # optimizer steps; wins over epochs
     # a wall-clock budget for the loop's steps: the run re-plans its last step from the measured rate (never past

@@ -601,3 +601,19 @@ def test_bench_dflash_anchors_trains_what_it_says(tmp_path):
         assert [p["step"] for p in r["points"]] == [2, 4]
         assert all(0.0 <= p["first_draft_accuracy"] <= 1.0 and p["cpu_s"] > 0 for p in r["points"])
     assert json.loads(out.read_text())["runs"].keys() == runs.keys()
+
+
+def test_bench_dflash_attention_compares_both_paths(tmp_path):
+    """bench_dflash_attention.py on a CPU: the small head, forward only, dense then flex at each anchor count, the
+    flex logits equal to the dense ones; the JSON holds the table."""
+    mod = _load("bench_dflash_attention")
+    out = tmp_path / "r.json"
+    res = mod.main(["--repeat", "1", "--out", str(out)])
+    assert res["backward"] is False and res["device"] == "cpu"
+    assert [(r["anchors"], r["attention"]) for r in res["runs"]] == [(16, "dense"), (16, "flex"), (64, "dense"),
+                                                                      (64, "flex")]
+    for r in res["runs"]:
+        assert r["ms"] > 0
+        assert (r["max_abs_diff"] is None) == (r["attention"] == "dense")
+        assert r["attention"] == "dense" or r["max_abs_diff"] < 1e-4
+    assert json.loads(out.read_text())["runs"] == res["runs"]

@@ -93,7 +93,7 @@ def test_entry_alignment_against_the_target(kind, target, vocab):
             rows = (anchor + 1 + depth.clamp(min=0)).clamp(max=ids.shape[1] - 1)
             return tv.logits.gather(1, rows[..., None].expand(*rows.shape, tv.logits.shape[-1])) * 10
 
-        def block_forward_train(self, ids, aux, anchors, attn):
+        def block_forward_train(self, ids, aux, anchors, attn, attention="dense"):
             S = cfg.block_size
             rows = (anchors[:, :, None] + torch.arange(S) - 1).clamp(0, ids.shape[1] - 1)
             B, A = anchors.shape
@@ -211,3 +211,39 @@ def test_one_dump_serves_eagle3_and_dflash(tmp_path):
     with pytest.raises(DumpError, match=r"lacks layer\(s\) \[1\]"):
         run_dump(recipe_from_dict({**base, "run_dir": str(tmp_path / "b"), "head": {"kind": "eagle3", "aux_layer_ids": [1, 3, 6]}}),
                  target=tgt, rows=rows, progress=False)
+
+
+def test_dflash_flex_block_attention_matches_the_dense_one():
+    # The flex path's block mask is the dense path's visibility: the same logits for every block, in a padded row,
+    # a row with unused anchors, and blocks whose queries straddle flex's 128-wide tiles (T and A*S not multiples).
+    torch.manual_seed(0)
+    cfg = HeadConfig(kind="dflash", hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     target_hidden_size=32, target_vocab_size=160, draft_vocab_size=160, aux_layer_ids=[1, 3, 5],
+                     num_layers=2, block_size=4, mask_token_id=159, qk_norm=True)
+    head = DFlashHead(cfg)
+    for p in head.parameters():
+        p.data.normal_(0, 0.3)
+    T, A = 150, 37
+    ids = torch.randint(0, 159, (2, T))
+    aux = torch.randn(2, T, 3 * 32)
+    attn = torch.ones(2, T, dtype=torch.long)
+    attn[1, :10] = attn[1, 100:] = 0                              # row 1: masked before 10 and from 100 on
+    anchors = torch.stack([torch.randperm(T - 1)[:A] + 1, torch.randperm(89)[:A] + 11]).sort(1).values
+    anchors[1, 30:] = 1                                           # unused anchors, as dflash_anchors pads a row
+    with torch.no_grad():
+        dense = head.block_forward_train(ids, aux, anchors, attn)
+        flex = head.block_forward_train(ids, aux, anchors, attn, attention="flex")
+    assert dense.shape == flex.shape == (2, A, 4, 160)
+    torch.testing.assert_close(flex, dense, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="'dense' or 'flex'"):
+        head.block_forward_train(ids, aux, anchors, attn, attention="sdpa")
+
+
+def test_flex_block_attention_is_refused_off_cuda(target, vocab, tmp_path):
+    # torch's flex attention has no CPU backward: the run stops before any training, naming the setting and the way out
+    from specheads.errors import UsageError
+
+    r = make_recipe(tmp_path / "flex", "dflash", max_steps=2, dflash_attention="flex")
+    with pytest.raises(UsageError, match="train.dflash_attention=flex needs a CUDA device.*dflash_attention=dense"):
+        run_train(r, target=target, feed=SyntheticFeed(target), vocab=vocab, progress=False)
+    assert not list((tmp_path / "flex").rglob("metrics.jsonl"))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import HeadConfig
 from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, apply_rope, repeat_kv
@@ -99,10 +100,15 @@ class DFlashHead(DraftVocabMixin, nn.Module):
 
     # ---------------------------------------------------------------- training
     def block_forward_train(self, input_ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor,
-                            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                            attention_mask: torch.Tensor | None = None, attention: str = "dense") -> torch.Tensor:
         """Every block of every row in one forward: ``anchors [B, A]`` (positions; the blocks of a row
         never see each other). Block j's slot s sits at position ``anchors[:, j] + s`` and sees the
-        context before its anchor and its own block. Returns logits ``[B, A, block_size, Vd]``."""
+        context before its anchor and its own block. ``attention``: "dense" (:func:`_context_block_attention`,
+        the scores against the whole row, any device) or "flex" (:func:`_flex_context_block_attention`, torch's
+        flex attention with a block mask: no score matrix, and key blocks no query sees are skipped; its backward
+        needs CUDA). Returns logits ``[B, A, block_size, Vd]``."""
+        if attention not in ("dense", "flex"):
+            raise ValueError(f"DFlash block attention must be 'dense' or 'flex', got {attention!r}")
         B, T = input_ids.shape
         A, S = anchors.shape[1], self.cfg.block_size
         pos = torch.arange(T, device=input_ids.device)[None].expand(B, T)
@@ -110,16 +116,20 @@ class DFlashHead(DraftVocabMixin, nn.Module):
         ids = torch.full((B, A, S), int(self.cfg.mask_token_id), dtype=input_ids.dtype, device=input_ids.device)
         ids[:, :, 0] = input_ids.gather(1, anchors.clamp(0, T - 1))
         bpos = (anchors[:, :, None] + torch.arange(S, device=anchors.device)).reshape(B, A * S)
-        visible = torch.arange(T, device=input_ids.device)[None, None, :] < anchors[:, :, None]      # [B, A, T]
-        if attention_mask is not None:
-            visible = visible & attention_mask.bool()[:, None, :]
-        visible = visible[:, :, None, :].expand(B, A, S, T).reshape(B, 1, A * S, T)
+        if attention == "flex":
+            mask = context_block_mask(anchors, attention_mask, T, S)
+        else:
+            visible = torch.arange(T, device=input_ids.device)[None, None, :] < anchors[:, :, None]  # [B, A, T]
+            if attention_mask is not None:
+                visible = visible & attention_mask.bool()[:, None, :]
+            mask = visible[:, :, None, :].expand(B, A, S, T).reshape(B, 1, A * S, T)
         cos, sin = self.rotary(bpos)
         h = self.embed_tokens(ids.reshape(B, A * S)).to(self.fc.weight.dtype)
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             x = layer.input_layernorm(h)
             q, kb, vb = layer.self_attn.project_qkv(x, cos, sin)
-            o = _context_block_attention(q, kc, vc, kb, vb, visible, S, layer.self_attn.scale)
+            o = (_flex_context_block_attention(q, kc, vc, kb, vb, mask, layer.self_attn.scale) if attention == "flex"
+                 else _context_block_attention(q, kc, vc, kb, vb, mask, S, layer.self_attn.scale))
             h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, A * S, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h)).view(B, A, S, -1)
@@ -145,4 +155,41 @@ def _context_block_attention(q, kc, vc, kb, vb, visible, S: int, scale: float) -
     return out
 
 
-__all__ = ["DFlashHead"]
+def context_block_mask(anchors: torch.Tensor, attention_mask: torch.Tensor | None, T: int, S: int) -> BlockMask:
+    """The visibility of :func:`_context_block_attention` as a flex ``BlockMask`` over keys [context (T) | the
+    blocks (A*S)]: query i belongs to block i // S of its row, which sees the context before its anchor (and inside
+    ``attention_mask``) and the S keys of its own block."""
+    B, A = anchors.shape
+    keep = attention_mask.bool() if attention_mask is not None else None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # flex evaluates whole tiles, past Q_LEN and KV_LEN too: indices are clamped, and past-the-end keys
+        # belong to no block
+        block = torch.clamp(q_idx // S, max=A - 1)
+        ctx = (kv_idx < T) & (kv_idx < anchors[b, block])
+        if keep is not None:
+            ctx = ctx & keep[b, torch.clamp(kv_idx, max=T - 1)]
+        return ctx | ((kv_idx >= T) & ((kv_idx - T) // S == block))
+
+    # on CUDA the mask is built by a compiled kernel tile by tile; eager builds the dense [Q, KV] grid first
+    return create_block_mask(mask_mod, B, None, A * S, T + A * S, device=anchors.device, _compile=anchors.is_cuda)
+
+
+_compiled_flex = None
+
+
+def _flex_context_block_attention(q, kc, vc, kb, vb, block_mask: BlockMask, scale: float) -> torch.Tensor:
+    """:func:`_context_block_attention`'s contract through flex attention: the keys are [context | every block]
+    and ``block_mask`` (:func:`context_block_mask`) says which each query sees. Compiled on CUDA (one kernel, no
+    score matrix); elsewhere torch runs it unfused, forward only."""
+    global _compiled_flex
+    k, v = torch.cat([kc, kb], 2), torch.cat([vc, vb], 2)
+    fn = flex_attention
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        fn = _compiled_flex
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+__all__ = ["DFlashHead", "context_block_mask"]

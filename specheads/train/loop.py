@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from specheads.dump.feed import make_feed
-from specheads.errors import SpecheadsError
+from specheads.errors import SpecheadsError, UsageError
 from specheads.fileio import DiskFullError
 from specheads.formats.trained import file_sha256
 from specheads.heads.lora import merged_state_dict
@@ -253,6 +253,9 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
     precision = effective_precision(tcfg.precision, device, rank)
+    if recipe.head.kind == "dflash" and tcfg.dflash_attention == "flex" and device.type != "cuda":
+        raise UsageError(f"train.dflash_attention=flex needs a CUDA device (this run trains on {device.type}): torch's "
+                         f"flex attention has no backward there; use train.dflash_attention=dense")
 
     if target is None:
         if feed is None:
@@ -271,7 +274,8 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
                           eagle1_ce_weight=tcfg.eagle1_ce_weight, mtp_weights=weights, backend=tcfg.loss_kernel,
                           compile=tcfg.compile, static_shapes=tcfg.length_buckets is not None,
                           peagle_keep=(tcfg.peagle_keep_ratio, tcfg.peagle_keep_min),
-                          dflash_anchors=tcfg.dflash_anchors, dflash_gamma=tcfg.dflash_gamma, seed=recipe.seed)
+                          dflash_anchors=tcfg.dflash_anchors, dflash_gamma=tcfg.dflash_gamma,
+                          dflash_attention=tcfg.dflash_attention, seed=recipe.seed)
     K = objective.num_steps
     _, lm_w, lm_b = target_weights(target)
     target_logits = TargetLogits(lm_w, built.d2t if cfg.kind in DRAFT_VOCAB_KINDS else None, lm_b,

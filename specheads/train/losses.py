@@ -283,12 +283,12 @@ class Objective(nn.Module):
                  eagle1_ce_weight: float = 0.1, mtp_weights: list[float] | None = None,
                  backend: str = "auto", compile: bool = False, static_shapes: bool = False,
                  peagle_keep: tuple[float, float] = (0.7, 0.2), dflash_anchors: int = 512,
-                 dflash_gamma: float = 4.0, seed: int = 0):
+                 dflash_gamma: float = 4.0, dflash_attention: str = "dense", seed: int = 0):
         super().__init__()
         self.head = head
         self.kind = kind
-        self.peagle_keep, self.dflash_anchors, self.dflash_gamma, self.seed = (
-            tuple(peagle_keep), int(dflash_anchors), float(dflash_gamma), int(seed))
+        self.peagle_keep, self.dflash_anchors, self.dflash_gamma, self.dflash_attention, self.seed = (
+            tuple(peagle_keep), int(dflash_anchors), float(dflash_gamma), dflash_attention, int(seed))
         self.steps = steps
         self.decay = decay
         self.eagle1_ce_weight = eagle1_ce_weight
@@ -343,5 +343,5 @@ class Objective(nn.Module):
             from .parallel_losses import dflash_loss
 
             return dflash_loss(self.head, batch, tv, self.dflash_anchors, self.dflash_gamma, seed=self.seed,
-                               backend=self.backend)
+                               backend=self.backend, attention=self.dflash_attention)
         raise ValueError(f"unknown head kind {self.kind!r}")

@@ -132,12 +132,13 @@ def dflash_weights(block_size: int, gamma: float) -> list[float]:
 
 
 def dflash_loss(head, batch: dict, tv: TargetView, anchors_per_batch: int, gamma: float, seed: int = 0,
-                backend: str = "auto") -> LossOutput:
-    """Soft-CE of every drafted slot of every block, slot j weighted by :func:`dflash_weights`."""
+                backend: str = "auto", attention: str = "dense") -> LossOutput:
+    """Soft-CE of every drafted slot of every block, slot j weighted by :func:`dflash_weights` (``attention``:
+    the head's block attention, "dense" or "flex")."""
     ids, attn, lm = batch["input_ids"], batch.get("attention_mask"), batch["loss_mask"]
     S = head.cfg.block_size
     anchors, ok = dflash_anchors(lm, tv.in_vocab, attn, anchors_per_batch, batch_generator(seed, ids))
-    logits = head.block_forward_train(ids, batch["aux"], anchors, attn)               # [B, A, S, V]
+    logits = head.block_forward_train(ids, batch["aux"], anchors, attn, attention)    # [B, A, S, V]
     B, A = anchors.shape
     slot = torch.arange(S, device=anchors.device).expand(B, A, S)
     valid = torch.zeros(B, A, S, dtype=torch.bool, device=anchors.device)
