@@ -117,22 +117,31 @@ class DFlashHead(DraftVocabMixin, nn.Module):
         ids[:, :, 0] = input_ids.gather(1, anchors.clamp(0, T - 1))
         bpos = (anchors[:, :, None] + torch.arange(S, device=anchors.device)).reshape(B, A * S)
         if attention == "flex":
-            mask = context_block_mask(anchors, attention_mask, T, S)
+            mask = context_block_mask(anchors, attention_mask, T, S)        # a BlockMask over [context | blocks]
         else:
-            visible = torch.arange(T, device=input_ids.device)[None, None, :] < anchors[:, :, None]  # [B, A, T]
-            if attention_mask is not None:
-                visible = visible & attention_mask.bool()[:, None, :]
-            mask = visible[:, :, None, :].expand(B, A, S, T).reshape(B, 1, A * S, T)
+            mask = _context_visibility(anchors, attention_mask, T, S)       # bool [B, 1, A*S, T] over the context
         cos, sin = self.rotary(bpos)
         h = self.embed_tokens(ids.reshape(B, A * S)).to(self.fc.weight.dtype)
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
             x = layer.input_layernorm(h)
             q, kb, vb = layer.self_attn.project_qkv(x, cos, sin)
-            o = (_flex_context_block_attention(q, kc, vc, kb, vb, mask, layer.self_attn.scale) if attention == "flex"
-                 else _context_block_attention(q, kc, vc, kb, vb, mask, S, layer.self_attn.scale))
+            if attention == "flex":
+                o = _flex_context_block_attention(q, kc, vc, kb, vb, mask, layer.self_attn.scale)
+            else:
+                o = _context_block_attention(q, kc, vc, kb, vb, mask, S, layer.self_attn.scale)
             h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(B, A * S, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h)).view(B, A, S, -1)
+
+
+def _context_visibility(anchors: torch.Tensor, attention_mask: torch.Tensor | None, T: int, S: int) -> torch.Tensor:
+    """Which context keys each block query sees: those before its anchor and inside ``attention_mask``,
+    bool ``[B, 1, A*S, T]``."""
+    B, A = anchors.shape
+    visible = torch.arange(T, device=anchors.device)[None, None, :] < anchors[:, :, None]          # [B, A, T]
+    if attention_mask is not None:
+        visible = visible & attention_mask.bool()[:, None, :]
+    return visible[:, :, None, :].expand(B, A, S, T).reshape(B, 1, A * S, T)
 
 
 def _context_block_attention(q, kc, vc, kb, vb, visible, S: int, scale: float) -> torch.Tensor:
@@ -163,32 +172,39 @@ def context_block_mask(anchors: torch.Tensor, attention_mask: torch.Tensor | Non
     keep = attention_mask.bool() if attention_mask is not None else None
 
     def mask_mod(b, h, q_idx, kv_idx):
-        # flex evaluates whole tiles, past Q_LEN and KV_LEN too: indices are clamped, and past-the-end keys
-        # belong to no block
+        # defensive: the clamps keep every index in range should a tile's padded index reach mask_mod
         block = torch.clamp(q_idx // S, max=A - 1)
         ctx = (kv_idx < T) & (kv_idx < anchors[b, block])
         if keep is not None:
             ctx = ctx & keep[b, torch.clamp(kv_idx, max=T - 1)]
         return ctx | ((kv_idx >= T) & ((kv_idx - T) // S == block))
 
-    # on CUDA the mask is built by a compiled kernel tile by tile; eager builds the dense [Q, KV] grid first
-    return create_block_mask(mask_mod, B, None, A * S, T + A * S, device=anchors.device, _compile=anchors.is_cuda)
+    # on CUDA a compiled builder makes the mask tile by tile; eager builds the dense [Q, KV] grid first
+    build = _compiled("create_block_mask", create_block_mask) if anchors.is_cuda else create_block_mask
+    return build(mask_mod, B, None, A * S, T + A * S, device=anchors.device)
 
 
-_compiled_flex = None
+_COMPILED: dict = {}
+
+
+def _compiled(name: str, fn):
+    """``fn`` compiled once, with dynamic shapes: rows, row length and anchors change every micro-batch. Past
+    dynamo's recompile limit a frame runs uncompiled, and uncompiled flex attention materializes the very score
+    matrix it exists to avoid: the limit is raised as for the other heads' compiled forwards (losses.py)."""
+    if name not in _COMPILED:
+        cfg = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, limit, max(getattr(cfg, limit), 64))
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
 
 
 def _flex_context_block_attention(q, kc, vc, kb, vb, block_mask: BlockMask, scale: float) -> torch.Tensor:
     """:func:`_context_block_attention`'s contract through flex attention: the keys are [context | every block]
     and ``block_mask`` (:func:`context_block_mask`) says which each query sees. Compiled on CUDA (one kernel, no
     score matrix); elsewhere torch runs it unfused, forward only."""
-    global _compiled_flex
     k, v = torch.cat([kc, kb], 2), torch.cat([vc, vb], 2)
-    fn = flex_attention
-    if q.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention)
-        fn = _compiled_flex
+    fn = _compiled("flex_attention", flex_attention) if q.is_cuda else flex_attention
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 

@@ -244,6 +244,9 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = device_for(int(os.environ.get("LOCAL_RANK", "0")))
     tcfg = recipe.train
+    if recipe.head.kind == "dflash" and tcfg.dflash_attention == "flex" and device.type != "cuda":
+        raise UsageError(f"train.dflash_attention=flex needs a CUDA device (this run trains on {device.type}): torch's "
+                         f"flex attention has no backward there; use train.dflash_attention=dense")
     train_dir = RunDir(recipe).train
     # which checkpoint to resume (verified), or a refusal, before any weights load
     resume_from = _on_rank0(lambda: _choose_start(recipe, train_dir), rank, world, device)
@@ -253,9 +256,6 @@ def _setup(recipe, target, feed, eval_feed, vocab) -> Run:
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
     precision = effective_precision(tcfg.precision, device, rank)
-    if recipe.head.kind == "dflash" and tcfg.dflash_attention == "flex" and device.type != "cuda":
-        raise UsageError(f"train.dflash_attention=flex needs a CUDA device (this run trains on {device.type}): torch's "
-                         f"flex attention has no backward there; use train.dflash_attention=dense")
 
     if target is None:
         if feed is None:
