@@ -16,11 +16,11 @@ fixed random projections of [final state, token embedding].
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from specheads.fileio import write_json_atomic
 from specheads.heads import HeadConfig, build_head
 from specheads.train.losses import Objective, TargetLogits
 
@@ -131,8 +131,7 @@ def main(argv=None) -> dict:
               "row_length": T, "trained_positions_per_batch": positions, "block_size": a.block,
               "layers": a.layers, "lr": a.lr, "steps": a.steps, "torch": torch.__version__, "runs": runs}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json_atomic(a.out, result)
     return result
 
 

@@ -15,11 +15,11 @@ a small shape (--small), which checks that both paths run and agree, not their s
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from specheads.fileio import write_json_atomic
 from specheads.heads import DFlashHead, HeadConfig
 
 # SmolLM2-135M's head shape (recipes/smollm2_dflash_gpu.yaml): 5 layers, block 16, a 32,000-token draft vocabulary
@@ -114,8 +114,7 @@ def main(argv=None) -> dict:
             peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
             print(f"| {n} | {attention} | {r['ms']:.1f} | {peak} | {'' if diff is None else f'{diff:.2g}'} |")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json_atomic(a.out, result)
     return result
 
 

@@ -183,14 +183,13 @@ def goals(heads: dict) -> dict:
     return g
 
 
-def _recipe(t: dict | None) -> str:
+def _recipe(h: dict) -> str:
     """A head's training in a few words: lr, epochs, data fraction, DFlash's anchors a micro-batch."""
-    t = t or {}
+    t = h["training"] or {}
     words = [f"lr {t['lr']:g}" if t.get("lr") is not None else None,
              f"{t['epochs']:g} ep" if t.get("epochs") is not None else None,
              f"{t['data_fraction']:g} of rows" if t.get("data_fraction") not in (None, 1, 1.0) else None,
-             f"{t['dflash_anchors']} anchors" if t.get("dflash_anchors") and (t.get("head_config") or {}).get(
-                 "kind") == "dflash" else None]
+             f"{t['dflash_anchors']} anchors" if t.get("dflash_anchors") and h["kind"] == "dflash" else None]
     return ", ".join(w for w in words if w) or "–"
 
 
@@ -203,8 +202,9 @@ def markdown(s: dict) -> str:
             continue
         tps = (h["training"] or {}).get("tokens_per_s_median")
         tps = f"{tps:,.0f}" if tps else "not measured"
+        recipe = _recipe(h)
         if not any(isinstance(e, dict) for e in h["evals"].values()):
-            lines.append(f"| {head} | not evaluated | | | | | | | {tps} | {_recipe(h['training'])} |")
+            lines.append(f"| {head} | not evaluated | | | | | | | {tps} | {recipe} |")
         for name, e in h["evals"].items():
             if not isinstance(e, dict):
                 continue
@@ -212,7 +212,7 @@ def markdown(s: dict) -> str:
             ll = e["lossless"] or {}
             speed = "–" if e["speedup"] is None else f"{e['speedup']:.2f}×"
             lines.append(f"| {head} | {name} | {e['k']} | {e['tau']:.2f} | {e['ngram_tau']:.2f} | {speed} | {alpha} | "
-                         f"{ll.get('identical')}/{ll.get('total')} | {tps} | {_recipe(h['training'])} |")
+                         f"{ll.get('identical')}/{ll.get('total')} | {tps} | {recipe} |")
     return "\n".join(lines) + "\n"
 
 

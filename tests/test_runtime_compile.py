@@ -14,7 +14,8 @@ from specheads.runtime.drafters import Eagle3Drafter, HybridDrafter, NGramDrafte
 from specheads.runtime.drafters.hybrid import hybrid_choice
 from specheads.runtime.engines.static import Generation
 from specheads.runtime.engines.step import chain_draft, commit_rows
-from specheads.runtime.model import RECOMPILE_LIMIT, TargetModel
+from specheads.heads.layers import RECOMPILE_LIMIT
+from specheads.runtime.model import TargetModel
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

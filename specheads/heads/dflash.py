@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from .config import HeadConfig
-from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, apply_rope, repeat_kv
+from .layers import DecoderLayer, RMSNorm, RotaryEmbedding, allow_recompiles, apply_rope, repeat_kv
 from .vocab import DraftVocabMixin
 
 
@@ -190,11 +190,9 @@ _COMPILED: dict = {}
 def _compiled(name: str, fn):
     """``fn`` compiled once, with dynamic shapes: rows, row length and anchors change every micro-batch. Past
     dynamo's recompile limit a frame runs uncompiled, and uncompiled flex attention materializes the very score
-    matrix it exists to avoid: the limit is raised as for the other heads' compiled forwards (losses.py)."""
+    matrix it exists to avoid: hence :func:`allow_recompiles`."""
     if name not in _COMPILED:
-        cfg = torch._dynamo.config
-        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        setattr(cfg, limit, max(getattr(cfg, limit), 64))
+        allow_recompiles()
         _COMPILED[name] = torch.compile(fn, dynamic=True)
     return _COMPILED[name]
 

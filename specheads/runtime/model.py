@@ -36,7 +36,7 @@ from torch import nn
 from specheads import kernels
 from specheads.errors import SpecheadsError
 from specheads.heads.config import rope_from_config  # one RoPE config parser and
-from specheads.heads.layers import rope_inv_freq, sdpa_without_cudnn  # one RoPE for heads and engine
+from specheads.heads.layers import allow_recompiles, rope_inv_freq, sdpa_without_cudnn  # one RoPE for heads and engine
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,22 +161,6 @@ def additive_mask(vis: torch.Tensor, dtype: torch.dtype, groups: int = 1) -> tor
     if groups > 1:
         vis = vis.repeat(1, 1, groups, 1)
     return torch.zeros((), dtype=dtype, device=vis.device).masked_fill(~vis, float("-inf"))
-
-
-RECOMPILE_LIMIT = 64
-
-
-def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
-    """Let dynamo keep up to ``limit`` graphs per compiled function (its default: 8) in this process.
-
-    A decode layer specialises where a slice of the cache is the whole cache (batch = max_batch,
-    width = every slot) and at sizes of 1 (one row, one token), so plain and drafted decoding at
-    batch 1, 8 and 48 need more than 8 graphs. Past the limit dynamo runs every new shape eagerly
-    and says so only in a log line: on the H200 (2026-12-01) compiled drafted decoding at batch 8
-    and 48 was then barely faster than eager while compiled plain decoding was 1.6x faster."""
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
 def prefill_attention(model: "TargetModel"):

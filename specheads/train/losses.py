@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specheads.heads.layers import causal_mask, sdpa_without_cudnn
+from specheads.heads.layers import allow_recompiles, causal_mask, sdpa_without_cudnn
 from specheads.heads.ttt import ttt_forward
 from specheads.kernels import soft_cross_entropy_shifted
 
@@ -300,9 +300,7 @@ class Objective(nn.Module):
         # dynamic from the first batch: token-budget micro-batches change shape every step; with
         # ``static_shapes`` (train.length_buckets) one graph per bucket shape, each compiled once
         if compile and forward is not None and static_shapes:
-            cfg = torch._dynamo.config       # a graph per bucket (and eval's), past dynamo's default of 8
-            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-            setattr(cfg, name, max(getattr(cfg, name), 64))
+            allow_recompiles()               # a graph per bucket (and eval's), past dynamo's default of 8
         self._forward = (torch.compile(forward, dynamic=not static_shapes) if compile and forward is not None
                          else forward)
 

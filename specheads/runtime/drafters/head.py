@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from specheads import kernels
-from specheads.heads.layers import fuse_projections
+from specheads.heads.layers import allow_recompiles, fuse_projections
 
-from ..model import additive_mask, allow_recompiles, build_attn_mask, round_up
+from ..model import additive_mask, build_attn_mask, round_up
 from ..tree import DraftTree, Expansion, TreeConfig, build_dynamic_tree
 from .base import Drafter, DraftContext, DraftVocabError, Proposal, Verified, pick_draft
 

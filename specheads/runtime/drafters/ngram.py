@@ -6,7 +6,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model import allow_recompiles
+from specheads.heads.layers import allow_recompiles
+
 from .base import Drafter, DraftContext, Proposal, Verified
 
 
