@@ -388,7 +388,8 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
         (root / f"train_{head}" / "final").mkdir(parents=True)
         (root / f"train_{head}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "train_peagle_k3" / "final" / "meta.json").write_text(json.dumps(
-        {"recipe": {"train": {"lr": 6e-4, "epochs": 2, "dflash_anchors": 2048, "data_fraction": 1.0}}}))
+        {"recipe": {"train": {"lr": 6e-4, "epochs": 2, "dflash_anchors": 2048, "dflash_attention": "flex",
+                              "data_fraction": 1.0}}}))
     # a worse EAGLE-3 head at the same k under the new name: the goal pairs P-EAGLE with the better one, once
     worse = json.loads(json.dumps(report))
     for run in worse["runs"]:
@@ -401,8 +402,10 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
             {"rows": [{"batch": 1, "drafter": f"head ({head})", "speedup": speedup, "tau": 1.5, "tokens_per_s": 900.0,
                        "lossless": True}]}))
     # trained, not evaluated (yet): its own row, and the kind is no longer 'not run'
-    (root / "train_dflash_b16").mkdir()
+    (root / "train_dflash_b16" / "final").mkdir(parents=True)
     (root / "train_dflash_b16" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "train_dflash_b16" / "final" / "meta.json").write_text(json.dumps(
+        {"recipe": {"train": {"lr": 2e-3, "epochs": 4, "dflash_anchors": 8192, "dflash_attention": "flex"}}}))
     (tmp_path / "timeline.txt").write_text("[10:00:00] end train_eagle3 rc=0 78s\n")
     s = mod.main([str(root), "--timeline", str(tmp_path / "timeline.txt"), "--out", str(tmp_path / "p.json"),
                   "--md", str(tmp_path / "p.md")])
@@ -426,6 +429,8 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     md = (tmp_path / "p.md").read_text()
     assert "| peagle_k3 | mixed | 3 | 2.57 |" in md and "| peagle_k8 | mixed | 8 |" in md
     assert "lr 0.0006, 2 ep |" in md and "| dflash_b16 | not evaluated |" in md and "| dflash | not run |" not in md
+    # the words name DFlash's anchors and a block attention other than the dense default, for DFlash alone
+    assert mod._recipe(s["heads"]["dflash_b16"]) == "lr 0.002, 4 ep, 8192 anchors, flex attention"
 
 
 def _runtime(rows, serving=()):
