@@ -3,7 +3,8 @@
 Reads what ``gpu_parallel.sh`` wrote under its directory (nothing is re-measured here): per head (named by its
 kind and size, ``dflash_b16``, ``peagle_k4``; a bare kind in older runs) the eval reports
 ``eval_{head}_{set}/report.json``, the training metrics ``train_{head}/metrics.jsonl`` and its recipe in
-``final/meta.json``, and ``runtime_{head}.json`` (bench_runtime), plus the script's timeline. Per head and eval
+``final/meta.json``, and ``runtime_{head}.json`` (bench_runtime), plus the script's timeline and the token rows'
+counts (``RUN/data/rows/summary.json``, to put runs made apart side by side). Per head and eval
 set: τ (tokens per target forward), α by position, τ per category with n-gram's beside it and their ratio, speedup
 and the greedy lossless check; per head: training tokens/s, its lr, epochs and DFlash anchors, and the held-out τ
 the trainer measured last; the goals of the parallel drafters judged on what was measured, each kind by its best
@@ -92,8 +93,11 @@ def kind_of(head: str) -> str:
 
 
 def summarize(root: Path, timeline_file: Path | None = None) -> dict:
+    rows = _load(root.parent / "data" / "rows" / "summary.json") or {}    # gpu_parallel.sh: root is RUN/parallel
     out = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-           "stages": timeline(timeline_file), "heads": {}}
+           "stages": timeline(timeline_file),
+           "data": {k: rows.get(k) for k in ("rows", "tokens", "masked_tokens")} if rows else "not found",
+           "heads": {}}
     for head in head_names(root):
         h = {"kind": kind_of(head), "training": training(root / f"train_{head}"), "evals": {},
              "runtime": _load(root / f"runtime_{head}.json")}

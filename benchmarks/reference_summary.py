@@ -11,7 +11,8 @@ Paths in the summary are relative to the run directory (``run_paths.relative``),
         --eval vicuna=OUT/run/eval_vicuna --eval gsm8k_holdout=... --eval mixed=... \\
         [--sweep DIR ...] [--bench-runtime F] [--bench-train F] [--timeline F] [--plot PNG]
     python benchmarks/reference_summary.py --from-summary OUT/reference.json --sweep LATER_SWEEP \\
-        [--carry-over EARLIER/reference.json ...] [--plot PNG] --out benchmarks/results/smollm2_reference/reference.json
+        [--carry-over EARLIER/reference.json ...] [--parallel OUT2/parallel.json ...] [--plot PNG] \\
+        --out benchmarks/results/smollm2_reference/reference.json
 
 A time-limited run seldom runs everything. ``--from-summary F`` starts from a summary written on the machine
 that ran it (its date, machine and figures stay; ``amended`` says when and where it was added to)
@@ -21,6 +22,12 @@ this run did not measure (eval sets marked not run, the ablations) from an earli
 section it fills is marked ``carried_over`` with the file, date and machine it was measured in, and
 its curve points join this one's under their own data set. Goals are judged on this run's own
 eval sets only.
+
+``--parallel F`` (repeatable) puts the heads of a ``gpu_parallel.sh`` summary (``parallel.json``: P-EAGLE, DFlash,
+EAGLE-3 at other k) beside this run's EAGLE-3 head: under ``parallel``, each head labelled ``HEAD (FILE STEM)`` with
+its evals, runtime speedups, training tokens/s and recipe, each file with its date, machine and goals, and its token
+rows against this run's. The data stages are deterministic, so runs made apart on the same recipe share rows; code
+changes between them may not, and the ratio says by how much.
 """
 from __future__ import annotations
 
@@ -199,6 +206,64 @@ def plot_curve(points: list[dict], path: Path) -> None:
     plot_curves(lines, path, "reference head: held-out τ against data", legend_title="share of", size=(6.5, 4))
 
 
+def _runtime_head(runtime: dict | None, mode: str, batch: int) -> dict | None:
+    """τ and speedup of the head's drafter at ``batch`` in a bench_runtime result (``rows``: static, ``serving``)."""
+    for r in (runtime or {}).get(mode) or []:
+        if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head"):
+            return {"tau": r.get("tau"), "speedup": r.get("speedup"), "lossless": r.get("lossless")}
+    return None
+
+
+def parallel_heads(summary: dict, parallel: dict, path: Path) -> None:
+    """The evaluated heads of a parallel_summary.py result under ``summary["parallel"]``, with their source."""
+    stem = Path(path).stem
+    mine, theirs = ((summary.get("data") or {}).get("rows") or {}), parallel.get("data")
+    theirs = theirs if isinstance(theirs, dict) else {}    # older summaries, or "not found"
+    ratio = (theirs["tokens"] / mine["tokens"]) if theirs.get("tokens") and mine.get("tokens") else None
+    out = summary.setdefault("parallel", {"sources": {}, "heads": {}})
+    out["sources"][stem] = {"file": str(path), "date": parallel.get("created"), "machine": parallel.get("machine"),
+                            "data": theirs or "not recorded", "tokens_vs_this_run": ratio,
+                            "goals": parallel.get("goals")}
+    for head, h in (parallel.get("heads") or {}).items():
+        evals = {name: {k: e.get(k) for k in ("k", "tau", "ngram_tau", "alpha", "per_category", "lossless")}
+                 for name, e in (h.get("evals") or {}).items() if isinstance(e, dict)} if isinstance(h, dict) else {}
+        if not evals:
+            continue
+        t = h.get("training") or {}
+        out["heads"][f"{head} ({stem})"] = {
+            "kind": h.get("kind"), "source": stem, "evals": evals,
+            "training": {k: t.get(k) for k in ("tokens_per_s_median", "heldout_sim_tau", "lr", "epochs",
+                                               "dflash_anchors", "dflash_attention")},
+            "runtime": {"batch1": _runtime_head(h.get("runtime"), "rows", 1),
+                        "batch8": _runtime_head(h.get("runtime"), "rows", 8),
+                        "served8": _runtime_head(h.get("runtime"), "serving", 8)}}
+
+
+def side_by_side(summary: dict) -> list[dict]:
+    """One row per head and eval set (mixed, Vicuna): this run's EAGLE-3 head first, then the parallel heads."""
+    rows = []
+    tps = ((summary.get("training") or {}).get("final") or {}).get("train_tokens_per_s")
+    for name in ("mixed", "vicuna"):
+        head = ((summary.get("eval_sets") or {}).get(name) or {}).get("drafters", {}).get("head")
+        ngram = ((summary.get("eval_sets") or {}).get(name) or {}).get("drafters", {}).get("ngram")
+        if head:
+            b1, b8 = (_runtime_head(summary.get("runtime"), "rows", b) or {} for b in (1, 8))   # --bench-runtime's
+            rows.append({"head": "eagle3 (this run)", "kind": "eagle3", "set": name, "k": head.get("k"),
+                         "tau": head.get("tau"), "ngram_tau": (ngram or {}).get("tau"),
+                         "batch1_speedup": b1.get("speedup"), "batch8_speedup": b8.get("speedup"),
+                         "train_tokens_per_s": tps})
+    for label, h in (summary.get("parallel") or {}).get("heads", {}).items():
+        for name in ("mixed", "vicuna"):
+            e = h["evals"].get(name)
+            if e:
+                rt = h["runtime"]
+                rows.append({"head": label, "kind": h["kind"], "set": name, "k": e["k"], "tau": e["tau"],
+                             "ngram_tau": e["ngram_tau"], "batch1_speedup": (rt["batch1"] or {}).get("speedup"),
+                             "batch8_speedup": (rt["batch8"] or {}).get("speedup"),
+                             "train_tokens_per_s": h["training"]["tokens_per_s_median"]})
+    return rows
+
+
 def timeline(path: Path | None) -> dict:
     if path is None or not Path(path).exists():
         return {}
@@ -242,6 +307,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--ablation", type=Path, help="the ablation heads' directory (train_NAME/ inside)")
     ap.add_argument("--carry-over", type=Path, action="append", default=[], metavar="SUMMARY",
                     help="an earlier reference.json: fills what this run did not measure")
+    ap.add_argument("--parallel", type=Path, action="append", default=[], metavar="PARALLEL_JSON",
+                    help="a gpu_parallel.sh summary: its heads go beside this run's")
     ap.add_argument("--plot", type=Path, help="the data curve as a PNG")
     a = ap.parse_args(argv)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -300,6 +367,13 @@ def main(argv=None) -> dict:
         loaded = _load(path)
         if loaded is not None or key not in summary:
             summary[key] = loaded
+    for path in a.parallel:
+        parallel = _load(path)
+        if parallel is None:
+            ap.error(f"--parallel {path}: no such file")
+        parallel_heads(summary, parallel, path)
+    if "parallel" in summary:
+        summary["parallel"]["side_by_side"] = side_by_side(summary)
     if a.plot and summary["curve"]:
         plot_curve(summary["curve"], a.plot)
     summary = relative(summary, a.run)
@@ -308,6 +382,9 @@ def main(argv=None) -> dict:
         for kind, d in (es.get("drafters") or {}).items():
             sp = d.get("speedup")
             print(f"{name:>14} {kind:>8}: τ {d['tau']:.3f}  speedup {sp if sp is None else f'{sp:.2f}'}")
+    for r in (summary.get("parallel") or {}).get("side_by_side", []):
+        sp = " ".join(f"{b} {r[f'{b}_speedup']:.2f}×" for b in ("batch1", "batch8") if r[f"{b}_speedup"] is not None)
+        print(f"{r['set']:>14} {r['head']}: k {r['k']}, τ {r['tau']:.3f} (n-gram {r['ngram_tau']:.3f}) {sp}")
     for g, v in summary["goals"].items():
         if "value" in v:
             print(f"goal {g}: {v['value']} -> {'met' if v['met'] else 'missed'}")

@@ -160,6 +160,73 @@ def test_reference_summary_amends_a_run_with_a_later_sweep_and_earlier_figures(t
     assert out["ablation"]["carried_over"]["file"] == "ablations/reference.json"
 
 
+def test_reference_summary_puts_parallel_heads_beside_its_head(tmp_path):
+    """--parallel: each evaluated head of a gpu_parallel.sh summary joins this run's EAGLE-3 head, labelled by its
+    file, with its runtime speedups and training figures; each file says where it was measured and how its rows
+    compare with this run's. A head that was never evaluated stays out; a missing file is an error."""
+    import sys
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    mod = _load("reference_summary")
+    final = _run("f1_lr0.002", 1.0, 3.7, 66_000_000, tps=162_000.0)
+    mixed = _eval_set(2.57)
+    mixed["drafters"]["head"]["k"] = 3
+    mixed["drafters"]["ngram"] = {"tau": 1.69, "k": 3, "per_category": None}
+    here = {"title": "t", "date": "2026-12-06 07:38 UTC", "machine": {"gpu": "H100"},
+            "data": {"rows": {"rows": 41272, "tokens": 13_476_672}}, "stages": {}, "eval_sets": {"mixed": mixed},
+            "goals": {}, "training": {"chosen_lr": 0.002, "runs": [final], "final": final}}
+    (tmp_path / "here.json").write_text(json.dumps(here))
+
+    def head(tau, runtime=None, **training):
+        e = {"k": 15, "tau": tau, "ngram_tau": 1.96, "alpha": [0.5], "per_category": {}, "lossless": {"total": 1},
+             "speedup": 0.3, "every_category_ratio_met": False}
+        return {"kind": "dflash", "training": {"tokens_per_s_median": 1e5, "lr": 2e-3, **training},
+                "evals": {"mixed": e, "vicuna": dict(e, tau=tau - 0.2), "gsm8k": "not run"}, "runtime": runtime}
+
+    runtime = _runtime([("compiled", 1, "plain", 1.0, 900.0, 1.0, True),
+                        ("compiled", 1, "head (dflash)", 1.8, 890.0, 0.99, True),
+                        ("compiled", 8, "head (dflash)", 1.6, 5000.0, 0.84, True)])
+    first = {"created": "2026-12-07T19:44:44+00:00", "machine": {"gpu": "H100"}, "data": "not found",
+             "goals": {"dflash_tau_mixed>=4.0": {"value": 1.81, "met": False}},
+             "heads": {"dflash_b16": head(1.81, runtime, dflash_anchors=2048), "peagle": "not run",
+                       "peagle_k8": {"kind": "peagle", "training": None, "evals": {"mixed": "not run"}}}}
+    second = {"created": "2026-12-07T22:05:48+00:00", "machine": {"gpu": "H100"},
+              "data": {"rows": 41270, "tokens": 13_441_235},
+              "heads": {"dflash_b16": head(1.89, dflash_anchors=8192, dflash_attention="flex")}}
+    for name, d in (("reference_rows", first), ("flex8192", second)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+    out = mod.main(["--from-summary", str(tmp_path / "here.json"), "--parallel", str(tmp_path / "reference_rows.json"),
+                    "--parallel", str(tmp_path / "flex8192.json"), "--out", str(tmp_path / "ref.json")])
+    par = out["parallel"]
+    assert list(par["heads"]) == ["dflash_b16 (reference_rows)", "dflash_b16 (flex8192)"]
+    src = par["sources"]
+    assert src["reference_rows"]["data"] == "not recorded" and src["reference_rows"]["tokens_vs_this_run"] is None
+    assert src["flex8192"]["tokens_vs_this_run"] == pytest.approx(13_441_235 / 13_476_672)
+    assert src["reference_rows"]["goals"]["dflash_tau_mixed>=4.0"]["met"] is False
+    h = par["heads"]["dflash_b16 (flex8192)"]
+    assert h["training"]["dflash_attention"] == "flex" and h["runtime"] == {"batch1": None, "batch8": None,
+                                                                            "served8": None}
+    assert set(h["evals"]) == {"mixed", "vicuna"}
+    rows = [(r["head"], r["set"], r["k"], r["tau"], r["batch1_speedup"], r["batch8_speedup"], r["train_tokens_per_s"])
+            for r in par["side_by_side"]]
+    assert rows == [("eagle3 (this run)", "mixed", 3, 2.57, None, None, 162_000.0),
+                    ("dflash_b16 (reference_rows)", "mixed", 15, 1.81, 0.99, 0.84, 1e5),
+                    ("dflash_b16 (reference_rows)", "vicuna", 15, pytest.approx(1.61), 0.99, 0.84, 1e5),
+                    ("dflash_b16 (flex8192)", "mixed", 15, 1.89, None, None, 1e5),
+                    ("dflash_b16 (flex8192)", "vicuna", 15, pytest.approx(1.69), None, None, 1e5)]
+    assert par["side_by_side"][0]["ngram_tau"] == 1.69
+    # this run's own runtime benchmark gives its head's speedups
+    (tmp_path / "rt.json").write_text(json.dumps(_runtime([("compiled", 1, "head (eagle3)", 2.2, 1500.0, 1.5, True)])))
+    with_rt = mod.main(["--from-summary", str(tmp_path / "ref.json"), "--bench-runtime", str(tmp_path / "rt.json"),
+                        "--out", str(tmp_path / "ref_rt.json")])
+    assert with_rt["parallel"]["side_by_side"][0]["batch1_speedup"] == 1.5
+    # amending the result again keeps the parallel heads and rebuilds the table from them
+    again = mod.main(["--from-summary", str(tmp_path / "ref.json"), "--out", str(tmp_path / "ref2.json")])
+    assert again["parallel"] == par
+    with pytest.raises(SystemExit):
+        mod.main(["--from-summary", str(tmp_path / "here.json"), "--parallel", str(tmp_path / "nope.json"),
+                  "--out", str(tmp_path / "x.json")])
+
+
 def test_sweep_resumes_after_an_interruption(tmp_path, monkeypatch):
     """A sweep killed mid-way: the rerun skips the finished runs, resumes the interrupted one from its checkpoint
     (train.resume=true) and ends as an uninterrupted sweep would; another sweep in the same --out is refused."""
@@ -407,6 +474,8 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     (root / "train_dflash_b16" / "final" / "meta.json").write_text(json.dumps(
         {"recipe": {"train": {"lr": 2e-3, "epochs": 4, "dflash_anchors": 8192, "dflash_attention": "flex"}}}))
     (tmp_path / "timeline.txt").write_text("[10:00:00] end train_eagle3 rc=0 78s\n")
+    (tmp_path / "data" / "rows").mkdir(parents=True)      # the run's token rows, beside its parallel/ directory
+    (tmp_path / "data" / "rows" / "summary.json").write_text(json.dumps({"rows": 7, "tokens": 700, "sources": {}}))
     s = mod.main([str(root), "--timeline", str(tmp_path / "timeline.txt"), "--out", str(tmp_path / "p.json"),
                   "--md", str(tmp_path / "p.md")])
     assert list(s["heads"]) == ["eagle3", "eagle3_k3", "peagle_k3", "peagle_k8", "dflash_b16"]
@@ -426,6 +495,7 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     assert [(g["k"], g["eagle3"], g["met"]) for g in same_k] == [(3, pytest.approx(2.5745, abs=1e-3), True)]
     assert s["goals"]["peagle_speedup_batch1>=1.2x_eagle3"] == [{"k": 3, "peagle": 1.3, "eagle3": 1.0, "met": True}]
     assert s["stages"]["train_eagle3"] == {"rc": 0, "seconds": 78}
+    assert s["data"] == {"rows": 7, "tokens": 700, "masked_tokens": None}
     md = (tmp_path / "p.md").read_text()
     assert "| peagle_k3 | mixed | 3 | 2.57 |" in md and "| peagle_k8 | mixed | 8 |" in md
     assert "lr 0.0006, 2 ep |" in md and "| dflash_b16 | not evaluated |" in md and "| dflash | not run |" not in md
