@@ -18,8 +18,9 @@
 # 4) and BLOCK (default 16); each head's files are named KIND_kSIZE or dflash_bSIZE), ANCHORS (DFlash's anchors per
 # micro-batch, default 2048 as its recipe; BENCHMARKS.md names each figure's), LR (default 1e-3), SETS (eval sets,
 # default "mixed vicuna"), RUNTIME=1, EXTRA_OV (more overrides for every stage), RUN (default OUT/run), LIMIT (seconds
-# a stage may take, default 600) and LIMIT_TRAIN (a training, default 1800), SMALL=1 DEVICE=cpu (a CPU smoke test of
-# this script). Every stage resumes after a kill.
+# a stage may take, default 600) and LIMIT_TRAIN (a training, default 1800), TAG (a suffix of each head's files, as
+# dflash_b16_TAG: variants of one head on the same rows, e.g. two invocations side by side once the data stages are
+# there), SMALL=1 DEVICE=cpu (a CPU smoke test of this script). Every stage resumes after a kill.
 set -u
 GGUF=${1:-${GGUF:-}}; DATA=${2:-${DATA:-data}}; OUT=${3:-${OUT:-out}}
 . "$(dirname "$0")/gpu_setup.sh"
@@ -33,6 +34,8 @@ for h in $HEADS; do
   [[ $h =~ ^(eagle3|peagle|dflash):[1-9][0-9]*$ ]] ||
     { echo "HEADS: '$h' is not eagle3:K, peagle:K or dflash:BLOCK" >&2; exit 2; }
 done
+[[ -z "${TAG:-}" || $TAG =~ ^[A-Za-z0-9._-]+$ ]] ||
+  { echo "TAG: '$TAG' must be letters, digits, '.', '_' or '-' (it names each head's files)" >&2; exit 2; }
 P=$RUN/parallel
 OV+=(train.data_fraction=$FRACTION train.epochs=$EPOCHS train.lr=$LR train.dflash_anchors=$ANCHORS ${EXTRA_OV:-})
 if [ -n "${SMALL:-}" ]; then
@@ -64,6 +67,7 @@ fi
 for h in $HEADS; do
   kind=${h%%:*}; k=${h#*:}; name=${kind}_k$k; HOV=(head.num_depths=$k)
   [ $kind = dflash ] && { name=dflash_b$k; HOV=(head.block_size=$k); k=$(( k - 1 )); }
+  name=$name${TAG:+_$TAG}
   R=recipes/smollm2_${kind}_gpu.yaml; TD=$P/train_$name; ED=$P/$name
   resume=$([ -d $TD/checkpoints ] && echo true || echo false)
   LIMIT=${LIMIT_TRAIN:-1800} stage train_$name $S train $R "${OV[@]}" "${HOV[@]}" train.out=$TD train.resume=$resume ||

@@ -55,7 +55,8 @@ def training(train_dir: Path, rows: list[dict] | None = None) -> dict | None:
            "heldout_sim_tau": ev[-1].get("sim_tau") if ev else None,
            "heldout_step_acc": ev[-1].get("step_acc") if ev else None,
            "head_config": head_config,
-           **{k: recipe_train.get(k) for k in ("lr", "epochs", "dflash_anchors", "dflash_attention", "data_fraction")}}
+           **{k: recipe_train.get(k) for k in ("lr", "epochs", "dflash_anchors", "dflash_attention", "data_fraction",
+                                               "scheduler", "max_tokens_per_batch")}}
     div = _load(train_dir / "diverged.json")
     # the trainer stopped here (specheads.train.step.diverged): what, where, which rows; a resumed run that finished
     # leaves the file behind, and its final/ says it is stale
@@ -188,12 +189,14 @@ def goals(heads: dict) -> dict:
 
 
 def _recipe(h: dict) -> str:
-    """A head's training in a few words: lr, epochs, data fraction, DFlash's anchors a micro-batch and its block
-    attention where it is not the dense default."""
+    """A head's training in a few words: lr (and its schedule where not cosine), epochs, data fraction, tokens a
+    micro-batch, DFlash's anchors a micro-batch and its block attention where it is not the dense default."""
     t = h["training"] or {}
-    words = [f"lr {t['lr']:g}" if t.get("lr") is not None else None,
+    sched = f" {t['scheduler']}" if t.get("scheduler") not in (None, "cosine") else ""
+    words = [f"lr {t['lr']:g}{sched}" if t.get("lr") is not None else None,
              f"{t['epochs']:g} ep" if t.get("epochs") is not None else None,
              f"{t['data_fraction']:g} of rows" if t.get("data_fraction") not in (None, 1, 1.0) else None,
+             f"{t['max_tokens_per_batch'] // 1024}k-token micro-batches" if t.get("max_tokens_per_batch") else None,
              f"{t['dflash_anchors']} anchors" if t.get("dflash_anchors") and h["kind"] == "dflash" else None,
              f"{t['dflash_attention']} attention" if t.get("dflash_attention") not in (None, "dense")
              and h["kind"] == "dflash" else None]

@@ -232,8 +232,8 @@ def parallel_heads(summary: dict, parallel: dict, path: Path) -> None:
         t = h.get("training") or {}
         out["heads"][f"{head} ({stem})"] = {
             "kind": h.get("kind"), "source": stem, "evals": evals,
-            "training": {k: t.get(k) for k in ("tokens_per_s_median", "heldout_sim_tau", "lr", "epochs",
-                                               "dflash_anchors", "dflash_attention")},
+            "training": {k: t.get(k) for k in ("tokens_per_s_median", "heldout_sim_tau", "lr", "epochs", "scheduler",
+                                               "max_tokens_per_batch", "dflash_anchors", "dflash_attention")},
             "runtime": {"batch1": _runtime_head(h.get("runtime"), "rows", 1),
                         "batch8": _runtime_head(h.get("runtime"), "rows", 8),
                         "served8": _runtime_head(h.get("runtime"), "serving", 8)}}

@@ -336,6 +336,18 @@ def test_gpu_parallel_refuses_a_malformed_head(tmp_path, heads):
     assert not (tmp_path / "o" / "timeline.txt").exists()
 
 
+@pytest.mark.parametrize("tag", ["a/b", "x y", "../up", "*"])
+def test_gpu_parallel_refuses_a_tag_that_is_no_file_name_part(tmp_path, tag):
+    """TAG suffixes each head's files (dflash_b16_TAG): a path separator, a space or a glob character is refused
+    before a stage runs."""
+    import subprocess
+
+    out = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_parallel.sh"), "", str(tmp_path), str(tmp_path / "o")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "TAG": tag})
+    assert out.returncode == 2 and f"TAG: '{tag}'" in out.stderr, out.stderr
+    assert not (tmp_path / "o" / "timeline.txt").exists()
+
+
 def test_inputs_key_follows_the_files_a_stage_reads(tmp_path):
     """gpu_setup.sh's inputs_key (the GPU scripts skip a stage that finished before with the same key): it changes
     with an argument and with the content of a file an argument names, bare or as KEY=FILE, and not with files under
@@ -472,7 +484,8 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     (root / "train_dflash_b16" / "final").mkdir(parents=True)
     (root / "train_dflash_b16" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "train_dflash_b16" / "final" / "meta.json").write_text(json.dumps(
-        {"recipe": {"train": {"lr": 2e-3, "epochs": 4, "dflash_anchors": 8192, "dflash_attention": "flex"}}}))
+        {"recipe": {"train": {"lr": 2e-3, "epochs": 4, "dflash_anchors": 8192, "dflash_attention": "flex",
+                              "scheduler": "constant", "max_tokens_per_batch": 16384}}}))
     (tmp_path / "timeline.txt").write_text("[10:00:00] end train_eagle3 rc=0 78s\n")
     (tmp_path / "data" / "rows").mkdir(parents=True)      # the run's token rows, beside its parallel/ directory
     (tmp_path / "data" / "rows" / "summary.json").write_text(json.dumps({"rows": 7, "tokens": 700, "sources": {}}))
@@ -500,7 +513,8 @@ def test_parallel_summary_reads_each_heads_reports(tmp_path):
     assert "| peagle_k3 | mixed | 3 | 2.57 |" in md and "| peagle_k8 | mixed | 8 |" in md
     assert "lr 0.0006, 2 ep |" in md and "| dflash_b16 | not evaluated |" in md and "| dflash | not run |" not in md
     # the words name DFlash's anchors and a block attention other than the dense default, for DFlash alone
-    assert mod._recipe(s["heads"]["dflash_b16"]) == "lr 0.002, 4 ep, 8192 anchors, flex attention"
+    assert mod._recipe(s["heads"]["dflash_b16"]) == ("lr 0.002 constant, 4 ep, 16k-token micro-batches, "
+                                                     "8192 anchors, flex attention")
 
 
 def _runtime(rows, serving=()):
