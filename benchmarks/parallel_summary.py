@@ -196,7 +196,7 @@ def _recipe(h: dict) -> str:
     words = [f"lr {t['lr']:g}{sched}" if t.get("lr") is not None else None,
              f"{t['epochs']:g} ep" if t.get("epochs") is not None else None,
              f"{t['data_fraction']:g} of rows" if t.get("data_fraction") not in (None, 1, 1.0) else None,
-             f"{t['max_tokens_per_batch'] // 1024}k-token micro-batches" if t.get("max_tokens_per_batch") else None,
+             f"{t['max_tokens_per_batch'] / 1024:g}k-token micro-batches" if t.get("max_tokens_per_batch") else None,
              f"{t['dflash_anchors']} anchors" if t.get("dflash_anchors") and h["kind"] == "dflash" else None,
              f"{t['dflash_attention']} attention" if t.get("dflash_attention") not in (None, "dense")
              and h["kind"] == "dflash" else None]

@@ -24,7 +24,8 @@ its curve points join this one's under their own data set. Goals are judged on t
 eval sets only.
 
 ``--parallel F`` (repeatable) puts the heads of a ``gpu_parallel.sh`` summary (``parallel.json``: P-EAGLE, DFlash,
-EAGLE-3 at other k) beside this run's EAGLE-3 head: under ``parallel``, each head labelled ``HEAD (FILE STEM)`` with
+EAGLE-3 at other k) beside this run's EAGLE-3 head: under ``parallel``, each head labelled ``HEAD (SOURCE)`` (the file's stem, or its
+folder's for a ``parallel.json``; given again, a source replaces its heads) with
 its evals, runtime speedups, training tokens/s and recipe, each file with its date, machine and goals, and its token
 rows against this run's. The data stages are deterministic, so runs made apart on the same recipe share rows; code
 changes between them may not, and the ratio says by how much.
@@ -207,51 +208,71 @@ def plot_curve(points: list[dict], path: Path) -> None:
 
 
 def _runtime_head(runtime: dict | None, mode: str, batch: int) -> dict | None:
-    """τ and speedup of the head's drafter at ``batch`` in a bench_runtime result (``rows``: static, ``serving``)."""
-    for r in (runtime or {}).get(mode) or []:
-        if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head"):
-            return {"tau": r.get("tau"), "speedup": r.get("speedup"), "lossless": r.get("lossless")}
-    return None
+    """τ and speedup of the head's drafter at ``batch`` in a bench_runtime result (``rows``: static, ``serving``): the
+    fastest of its rows (several engines), as parallel_summary judges the goals."""
+    rows = [r for r in (runtime or {}).get(mode) or []
+            if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head")]
+    best = max(rows, key=lambda r: r.get("speedup") or 0.0, default=None)
+    return None if best is None else {"tau": best.get("tau"), "speedup": best.get("speedup"),
+                                      "lossless": best.get("lossless")}
+
+
+def source_label(path: Path) -> str:
+    """A parallel summary's name in labels: its file's stem, or its folder's where the file is gpu_parallel.sh's own
+    ``parallel.json``."""
+    p = Path(path)
+    return p.parent.name if p.stem == "parallel" and p.parent.name else p.stem
 
 
 def parallel_heads(summary: dict, parallel: dict, path: Path) -> None:
-    """The evaluated heads of a parallel_summary.py result under ``summary["parallel"]``, with their source."""
-    stem = Path(path).stem
+    """The evaluated heads of a parallel_summary.py result under ``summary["parallel"]``, with their source. Given
+    again, a source replaces what it gave before; two files under one label are refused (ValueError)."""
+    label = source_label(path)
+    out = summary.setdefault("parallel", {"sources": {}, "heads": {}})
+    known = out["sources"].get(label)
+    if known and Path(known["file"]).resolve() != Path(path).resolve():
+        raise ValueError(f"--parallel {path}: its label {label!r} is {known['file']}'s already; rename one of them")
     mine, theirs = ((summary.get("data") or {}).get("rows") or {}), parallel.get("data")
     theirs = theirs if isinstance(theirs, dict) else {}    # older summaries, or "not found"
     ratio = (theirs["tokens"] / mine["tokens"]) if theirs.get("tokens") and mine.get("tokens") else None
-    out = summary.setdefault("parallel", {"sources": {}, "heads": {}})
-    out["sources"][stem] = {"file": str(path), "date": parallel.get("created"), "machine": parallel.get("machine"),
-                            "data": theirs or "not recorded", "tokens_vs_this_run": ratio,
-                            "goals": parallel.get("goals")}
+    out["sources"][label] = {"file": str(path), "date": parallel.get("created"), "machine": parallel.get("machine"),
+                             "data": theirs or "not recorded", "tokens_vs_this_run": ratio,
+                             "goals": parallel.get("goals")}
+    out["heads"] = {k: v for k, v in out["heads"].items() if v.get("source") != label}
     for head, h in (parallel.get("heads") or {}).items():
         evals = {name: {k: e.get(k) for k in ("k", "tau", "ngram_tau", "alpha", "per_category", "lossless")}
                  for name, e in (h.get("evals") or {}).items() if isinstance(e, dict)} if isinstance(h, dict) else {}
         if not evals:
             continue
         t = h.get("training") or {}
-        out["heads"][f"{head} ({stem})"] = {
-            "kind": h.get("kind"), "source": stem, "evals": evals,
-            "training": {k: t.get(k) for k in ("tokens_per_s_median", "heldout_sim_tau", "lr", "epochs", "scheduler",
-                                               "max_tokens_per_batch", "dflash_anchors", "dflash_attention")},
+        out["heads"][f"{head} ({label})"] = {
+            "kind": h.get("kind"), "source": label, "evals": evals,
+            "training": {k: t.get(k) for k in ("steps", "tokens_per_s_median", "heldout_sim_tau", "lr", "epochs",
+                                               "data_fraction", "scheduler", "max_tokens_per_batch", "dflash_anchors",
+                                               "dflash_attention")},
             "runtime": {"batch1": _runtime_head(h.get("runtime"), "rows", 1),
                         "batch8": _runtime_head(h.get("runtime"), "rows", 8),
                         "served8": _runtime_head(h.get("runtime"), "serving", 8)}}
 
 
 def side_by_side(summary: dict) -> list[dict]:
-    """One row per head and eval set (mixed, Vicuna): this run's EAGLE-3 head first, then the parallel heads."""
+    """One row per head and eval set (mixed, Vicuna): this run's EAGLE-3 head first (an eval set carried over from an
+    earlier summary is labelled with that one), then the parallel heads. ``train_tokens_per_s``: the EAGLE-3 sweep's
+    final run's figure, the parallel heads' median step."""
     rows = []
     tps = ((summary.get("training") or {}).get("final") or {}).get("train_tokens_per_s")
+    b1, b8 = (_runtime_head(summary.get("runtime"), "rows", b) or {} for b in (1, 8))   # --bench-runtime's
     for name in ("mixed", "vicuna"):
-        head = ((summary.get("eval_sets") or {}).get(name) or {}).get("drafters", {}).get("head")
-        ngram = ((summary.get("eval_sets") or {}).get(name) or {}).get("drafters", {}).get("ngram")
+        es = (summary.get("eval_sets") or {}).get(name) or {}
+        head, ngram = (es.get("drafters") or {}).get("head"), (es.get("drafters") or {}).get("ngram")
         if head:
-            b1, b8 = (_runtime_head(summary.get("runtime"), "rows", b) or {} for b in (1, 8))   # --bench-runtime's
-            rows.append({"head": "eagle3 (this run)", "kind": "eagle3", "set": name, "k": head.get("k"),
-                         "tau": head.get("tau"), "ngram_tau": (ngram or {}).get("tau"),
-                         "batch1_speedup": b1.get("speedup"), "batch8_speedup": b8.get("speedup"),
-                         "train_tokens_per_s": tps})
+            carried = es.get("carried_over")
+            rows.append({"head": f"eagle3 ({'this run' if not carried else Path(str(carried['file'])).stem})",
+                         "kind": "eagle3", "set": name, "k": head.get("k"), "tau": head.get("tau"),
+                         "ngram_tau": (ngram or {}).get("tau"),
+                         "batch1_speedup": None if carried else b1.get("speedup"),
+                         "batch8_speedup": None if carried else b8.get("speedup"),
+                         "train_tokens_per_s": None if carried else tps})
     for label, h in (summary.get("parallel") or {}).get("heads", {}).items():
         for name in ("mixed", "vicuna"):
             e = h["evals"].get(name)
@@ -371,7 +392,10 @@ def main(argv=None) -> dict:
         parallel = _load(path)
         if parallel is None:
             ap.error(f"--parallel {path}: no such file")
-        parallel_heads(summary, parallel, path)
+        try:
+            parallel_heads(summary, parallel, path)
+        except ValueError as e:
+            ap.error(str(e))
     if "parallel" in summary:
         summary["parallel"]["side_by_side"] = side_by_side(summary)
     if a.plot and summary["curve"]:
@@ -384,7 +408,8 @@ def main(argv=None) -> dict:
             print(f"{name:>14} {kind:>8}: τ {d['tau']:.3f}  speedup {sp if sp is None else f'{sp:.2f}'}")
     for r in (summary.get("parallel") or {}).get("side_by_side", []):
         sp = " ".join(f"{b} {r[f'{b}_speedup']:.2f}×" for b in ("batch1", "batch8") if r[f"{b}_speedup"] is not None)
-        print(f"{r['set']:>14} {r['head']}: k {r['k']}, τ {r['tau']:.3f} (n-gram {r['ngram_tau']:.3f}) {sp}")
+        ngram = "not run" if r["ngram_tau"] is None else f"{r['ngram_tau']:.3f}"
+        print(f"{r['set']:>14} {r['head']}: k {r['k']}, τ {r['tau']:.3f} (n-gram {ngram}) {sp}")
     for g, v in summary["goals"].items():
         if "value" in v:
             print(f"goal {g}: {v['value']} -> {'met' if v['met'] else 'missed'}")

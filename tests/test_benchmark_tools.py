@@ -225,6 +225,33 @@ def test_reference_summary_puts_parallel_heads_beside_its_head(tmp_path):
     with pytest.raises(SystemExit):
         mod.main(["--from-summary", str(tmp_path / "here.json"), "--parallel", str(tmp_path / "nope.json"),
                   "--out", str(tmp_path / "x.json")])
+    # gpu_parallel.sh's own parallel.json takes its folder's name; the same label from two files is refused
+    for run in ("runA", "runB"):
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "parallel.json").write_text(json.dumps(second))
+    two = mod.main(["--from-summary", str(tmp_path / "here.json"), "--parallel", str(tmp_path / "runA/parallel.json"),
+                    "--parallel", str(tmp_path / "runB/parallel.json"), "--out", str(tmp_path / "two.json")])
+    assert list(two["parallel"]["heads"]) == ["dflash_b16 (runA)", "dflash_b16 (runB)"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "flex8192.json").write_text(json.dumps(second))
+    with pytest.raises(SystemExit):
+        mod.main(["--from-summary", str(tmp_path / "ref.json"), "--parallel", str(tmp_path / "other/flex8192.json"),
+                  "--out", str(tmp_path / "x.json")])
+    # a source given again replaces its heads: one no longer evaluated leaves
+    second["heads"]["dflash_b16"]["evals"] = {"mixed": "not run"}
+    (tmp_path / "flex8192.json").write_text(json.dumps(second))
+    redone = mod.main(["--from-summary", str(tmp_path / "ref.json"), "--parallel", str(tmp_path / "flex8192.json"),
+                       "--out", str(tmp_path / "x.json")])
+    assert list(redone["parallel"]["heads"]) == ["dflash_b16 (reference_rows)"]
+    # an EAGLE-3 eval set carried over from an earlier summary is not this run's, and no n-gram is no crash
+    here["eval_sets"]["mixed"]["carried_over"] = {"file": "old/earlier.json"}
+    del here["eval_sets"]["mixed"]["drafters"]["ngram"]
+    (tmp_path / "here.json").write_text(json.dumps(here))
+    old = mod.main(["--from-summary", str(tmp_path / "here.json"), "--parallel", str(tmp_path / "flex8192.json"),
+                    "--out", str(tmp_path / "x.json")])
+    assert old["parallel"]["side_by_side"][0]["head"] == "eagle3 (earlier)"
+    assert old["parallel"]["side_by_side"][0]["ngram_tau"] is None
+    assert old["parallel"]["side_by_side"][0]["train_tokens_per_s"] is None
 
 
 def test_sweep_resumes_after_an_interruption(tmp_path, monkeypatch):
