@@ -551,11 +551,39 @@ def test_prepare_rows_source_limit_and_holdout(tmp_path, smol):
 
 @pytest.mark.slow  # spawns worker processes (seconds on 2 cores)
 def test_prepare_rows_num_proc_matches_serial(tmp_path, smol):
+    """Two sources through one pool of two processes: the same rows and summary as one process."""
     src = write_jsonl(tmp_path / "q.jsonl", [{"question": f"What is {i}+{i}?", "answer": f"{2 * i}"} for i in range(12)])
-    a = prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "a")
-    b = prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "b", num_proc=2)
+    src2 = write_jsonl(tmp_path / "r.jsonl", [{"question": f"Name {i}.", "answer": f"N{i}"} for i in range(9)])
+    sources = [{"path": str(src)}, {"path": str(src2)}]
+    a = prepare_rows(sources, smol, 64, tmp_path / "a")
+    b = prepare_rows(sources, smol, 64, tmp_path / "b", num_proc=2)
     assert a == b
     assert load_rows(tmp_path / "a")["input_ids"] == load_rows(tmp_path / "b")["input_ids"]
+
+
+def test_prepare_rows_picks_its_processes(tmp_path, smol, monkeypatch):
+    """num_proc=None (the recipe's default): one process below 4,000 conversations, else up to 8 of the cores this
+    process may use; an explicit count is taken as given."""
+    from specheads.data import prepare
+
+    monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert prepare.auto_num_proc(3999) == 1 and prepare.auto_num_proc(4000) == 8
+    monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert prepare.auto_num_proc(41_000) == 2
+    asked = []
+    real = prepare._worker_pool
+
+    def spy(num_proc, *args):
+        asked.append(num_proc)
+        return real(1, *args)           # tokenize here: the count asked for is what this test checks
+
+    monkeypatch.setattr(prepare, "_worker_pool", spy)
+    src = write_jsonl(tmp_path / "q.jsonl", [{"question": f"What is {i}+{i}?", "answer": f"{2 * i}"} for i in range(12)])
+    prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "a", num_proc=None)
+    prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "b", num_proc=3)
+    monkeypatch.setattr(prepare, "AUTO_POOL_MIN_CONVERSATIONS", 10)
+    prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "c", num_proc=None)
+    assert asked == [1, 3, 2]
 
 
 def test_stage_run_vocab(tmp_path, smol):

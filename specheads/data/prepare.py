@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from contextlib import contextmanager
 from typing import Any, Iterable
 
 from specheads.errors import MissingInputError, SpecheadsError
@@ -85,20 +86,45 @@ def _tokenize_one(messages):
     return tokenize_conversation(_WORKER["tokenizer"], messages, _WORKER["max_length"], _WORKER["chat_template"])
 
 
-def _tokenized(convs: list[dict], tokenizer, max_length, chat_template, num_proc: int, desc: str) -> Iterable[dict]:
-    from tqdm.auto import tqdm
+# ``num_proc=None`` tokenizes in worker processes only from this many conversations: a spawned worker takes seconds
+# to start (it imports transformers), and one process tokenizes ~1,000-3,000 conversations a second
+AUTO_POOL_MIN_CONVERSATIONS = 4000
+AUTO_MAX_PROCS = 8
 
-    if num_proc <= 1 or len(convs) < 2 * num_proc:
-        for conv in tqdm(convs, desc=desc, unit="conv", leave=False):
-            yield tokenize_conversation(tokenizer, conv["messages"], max_length, chat_template)
+
+def auto_num_proc(conversations: int) -> int:
+    """Tokenizing processes for ``conversations``: up to 8 of the cores this process may run on, one below
+    :data:`AUTO_POOL_MIN_CONVERSATIONS`."""
+    if conversations < AUTO_POOL_MIN_CONVERSATIONS:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(AUTO_MAX_PROCS, cores))
+
+
+@contextmanager
+def _worker_pool(num_proc: int, tokenizer, max_length, chat_template):
+    """One pool of ``num_proc`` tokenizing processes for every source (None: tokenize in this process)."""
+    if num_proc <= 1:
+        yield None
         return
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # never fork a process that may hold torch threads
     with ctx.Pool(num_proc, initializer=_init_worker, initargs=(tokenizer, max_length, chat_template)) as pool:
-        chunk = max(1, min(256, len(convs) // (8 * num_proc)))
-        it = pool.imap(_tokenize_one, (c["messages"] for c in convs), chunksize=chunk)
-        yield from tqdm(it, total=len(convs), desc=desc, unit="conv", leave=False)
+        yield pool
+
+
+def _tokenized(convs: list[dict], tokenizer, max_length, chat_template, pool, procs: int,
+               desc: str) -> Iterable[dict]:
+    from tqdm.auto import tqdm
+
+    if pool is None or len(convs) < 2 * procs:
+        for conv in tqdm(convs, desc=desc, unit="conv", leave=False):
+            yield tokenize_conversation(tokenizer, conv["messages"], max_length, chat_template)
+        return
+    chunk = max(1, min(256, len(convs) // (8 * procs)))
+    it = pool.imap(_tokenize_one, (c["messages"] for c in convs), chunksize=chunk)   # in order: rows as serial
+    yield from tqdm(it, total=len(convs), desc=desc, unit="conv", leave=False)
 
 
 def prepare_rows(
@@ -106,7 +132,7 @@ def prepare_rows(
     tokenizer: Any,
     max_length: int,
     out_dir: str | Path,
-    num_proc: int = 1,
+    num_proc: int | None = 1,
     limit: int | None = None,
     *,
     chat_template: str | None = None,
@@ -130,7 +156,8 @@ def prepare_rows(
     counted as ``holdout``)
     so evaluation can use them. ``extra`` is merged into the summary.
     ``truncated`` counts kept rows that were cut at
-    ``max_length``. Errors in the data (``DataError``) or the template
+    ``max_length``. ``num_proc`` tokenizing processes (None: :func:`auto_num_proc`
+    of the conversations); the rows are the same for any count. Errors in the data (``DataError``) or the template
     (``TemplateError``) raise before anything is written.
     """
     import datasets
@@ -144,7 +171,11 @@ def prepare_rows(
 
     # Load (and validate) every source first: a bad file fails before any tokenizing.
     loaded = _load_sources(sources, limit, holdout_fraction)
-    columns, per_source, totals = _tokenize_sources(loaded, tokenizer, max_length, chat_template, num_proc)
+    if num_proc is None:
+        num_proc = auto_num_proc(sum(len(convs) for _, _, convs, _ in loaded))
+    with _worker_pool(int(num_proc), tokenizer, max_length, chat_template) as pool:
+        columns, per_source, totals = _tokenize_sources(loaded, tokenizer, max_length, chat_template, pool,
+                                                        int(num_proc))
 
     summary = dict(
         totals,
@@ -175,7 +206,7 @@ def _load_sources(sources: list, limit: int | None, holdout_fraction: float) -> 
     return loaded
 
 
-def _tokenize_sources(loaded: list[tuple], tokenizer, max_length: int, chat_template, num_proc: int):
+def _tokenize_sources(loaded: list[tuple], tokenizer, max_length: int, chat_template, pool, procs: int):
     """(columns, per-source counts, totals) of the token rows of the loaded sources; a conversation without
     assistant tokens makes no row."""
     columns: dict[str, list] = {k: [] for k in ("input_ids", "loss_mask", "conv_id", "source", "category")}
@@ -191,7 +222,7 @@ def _tokenize_sources(loaded: list[tuple], tokenizer, max_length: int, chat_temp
         stats["holdout"] += n_held
         totals["holdout"] += n_held
         desc = f"tokenize {Path(path).name}"
-        for conv, row in zip(convs, _tokenized(convs, tokenizer, max_length, chat_template, num_proc, desc)):
+        for conv, row in zip(convs, _tokenized(convs, tokenizer, max_length, chat_template, pool, procs, desc)):
             masked = sum(row["loss_mask"])
             if masked == 0:
                 stats["skipped_no_assistant"] += 1

@@ -72,6 +72,7 @@ def run_prepare(recipe) -> dict:
         recipe.data.max_length,
         rows,
         holdout_fraction=recipe.data.holdout_fraction,
+        num_proc=recipe.data.num_proc,
         extra={"target": identity, "target_vocab_size": facts["vocab_size"],
                "recipe_inputs": stage_inputs(recipe, "prepare")},
     )
