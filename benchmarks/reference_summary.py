@@ -24,11 +24,11 @@ its curve points join this one's under their own data set. Goals are judged on t
 eval sets only.
 
 ``--parallel F`` (repeatable) puts the heads of a ``gpu_parallel.sh`` summary (``parallel.json``: P-EAGLE, DFlash,
-EAGLE-3 at other k) beside this run's EAGLE-3 head: under ``parallel``, each head labelled ``HEAD (SOURCE)`` (the file's stem, or its
-folder's for a ``parallel.json``; given again, a source replaces its heads) with
-its evals, runtime speedups, training tokens/s and recipe, each file with its date, machine and goals, and its token
-rows against this run's. The data stages are deterministic, so runs made apart on the same recipe share rows; code
-changes between them may not, and the ratio says by how much.
+EAGLE-3 at other k) beside this run's EAGLE-3 head: under ``parallel``, each head labelled ``HEAD (SOURCE)`` (the
+file's stem, or its folder's for a ``parallel.json``; given again, a source replaces its heads) with its evals,
+runtime speedups, training tokens/s and recipe, each file with its date, machine and goals, and its token rows against
+this run's. The data stages are deterministic, so runs made apart on the same recipe share rows; code changes between
+them may not, and the ratio says by how much.
 """
 from __future__ import annotations
 

@@ -578,7 +578,8 @@ def test_prepare_rows_picks_its_processes(tmp_path, smol, monkeypatch):
         return real(1, *args)           # tokenize here: the count asked for is what this test checks
 
     monkeypatch.setattr(prepare, "_worker_pool", spy)
-    src = write_jsonl(tmp_path / "q.jsonl", [{"question": f"What is {i}+{i}?", "answer": f"{2 * i}"} for i in range(12)])
+    rows = [{"question": f"What is {i}+{i}?", "answer": f"{2 * i}"} for i in range(12)]
+    src = write_jsonl(tmp_path / "q.jsonl", rows)
     prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "a", num_proc=None)
     prepare_rows([{"path": str(src)}], smol, 64, tmp_path / "b", num_proc=3)
     monkeypatch.setattr(prepare, "AUTO_POOL_MIN_CONVERSATIONS", 10)
