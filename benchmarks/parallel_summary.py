@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reference_summary import eval_set, machine, timeline  # noqa: E402
+from reference_summary import eval_set, machine, runtime_head, timeline  # noqa: E402
 from run_paths import relative  # noqa: E402
 from specheads.fileio import write_json_atomic  # noqa: E402
 from specheads.train.run_log import read_metrics  # noqa: E402
@@ -141,8 +141,7 @@ def _speedup(heads: dict, kind: str, batch: int, mode: str, k: int | None = None
     given) in their runtime benchmark (``rows``: a static batch, ``serving``: continuous batching), None where
     not measured."""
     got = [r["speedup"] for h in _of_kind(heads, kind) if k is None or _head_k(h) == k
-           for r in ((h.get("runtime") or {}).get(mode) or [])
-           if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head")]
+           if (r := runtime_head(h.get("runtime"), mode, batch)) and r["speedup"] is not None]
     return max(got) if got else None
 
 

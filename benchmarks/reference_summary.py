@@ -207,9 +207,9 @@ def plot_curve(points: list[dict], path: Path) -> None:
     plot_curves(lines, path, "reference head: held-out τ against data", legend_title="share of", size=(6.5, 4))
 
 
-def _runtime_head(runtime: dict | None, mode: str, batch: int) -> dict | None:
+def runtime_head(runtime: dict | None, mode: str, batch: int) -> dict | None:
     """τ and speedup of the head's drafter at ``batch`` in a bench_runtime result (``rows``: static, ``serving``): the
-    fastest of its rows (several engines), as parallel_summary judges the goals."""
+    fastest of its rows (several engines); parallel_summary judges its speed goals by the same row."""
     rows = [r for r in (runtime or {}).get(mode) or []
             if r.get("batch") == batch and str(r.get("drafter", "")).startswith("head")]
     best = max(rows, key=lambda r: r.get("speedup") or 0.0, default=None)
@@ -250,9 +250,9 @@ def parallel_heads(summary: dict, parallel: dict, path: Path) -> None:
             "training": {k: t.get(k) for k in ("steps", "tokens_per_s_median", "heldout_sim_tau", "lr", "epochs",
                                                "data_fraction", "scheduler", "max_tokens_per_batch", "dflash_anchors",
                                                "dflash_attention")},
-            "runtime": {"batch1": _runtime_head(h.get("runtime"), "rows", 1),
-                        "batch8": _runtime_head(h.get("runtime"), "rows", 8),
-                        "served8": _runtime_head(h.get("runtime"), "serving", 8)}}
+            "runtime": {"batch1": runtime_head(h.get("runtime"), "rows", 1),
+                        "batch8": runtime_head(h.get("runtime"), "rows", 8),
+                        "served8": runtime_head(h.get("runtime"), "serving", 8)}}
 
 
 def side_by_side(summary: dict) -> list[dict]:
@@ -261,7 +261,7 @@ def side_by_side(summary: dict) -> list[dict]:
     final run's figure, the parallel heads' median step."""
     rows = []
     tps = ((summary.get("training") or {}).get("final") or {}).get("train_tokens_per_s")
-    b1, b8 = (_runtime_head(summary.get("runtime"), "rows", b) or {} for b in (1, 8))   # --bench-runtime's
+    b1, b8 = (runtime_head(summary.get("runtime"), "rows", b) or {} for b in (1, 8))   # --bench-runtime's
     for name in ("mixed", "vicuna"):
         es = (summary.get("eval_sets") or {}).get(name) or {}
         head, ngram = (es.get("drafters") or {}).get("head"), (es.get("drafters") or {}).get("ngram")

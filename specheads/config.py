@@ -223,7 +223,8 @@ class DataConfig(_Section):
     synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
     rows_dir: str | None = None  # default: {run_dir}/data/rows
     # processes that tokenize in `data prepare`; null: up to 8 of this machine's cores from 4,000 conversations on
-    # (41k conversations took 88 s in one process on an H100 host, 2026-12-07); the rows are the same for any count
+    # (the stage took 88 s for 41k conversations in one process on an H100 host, 2026-12-07, most of it
+    # tokenizing); the rows are the same for any count
     num_proc: int | None = Field(None, ge=1)
 
 

@@ -27,8 +27,8 @@ import logging
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterable
 
 from specheads.errors import MissingInputError, SpecheadsError
@@ -103,7 +103,8 @@ def auto_num_proc(conversations: int) -> int:
 
 @contextmanager
 def _worker_pool(num_proc: int, tokenizer, max_length, chat_template):
-    """One pool of ``num_proc`` tokenizing processes for every source (None: tokenize in this process)."""
+    """One pool of ``num_proc`` tokenizing processes for every source; None where ``num_proc`` <= 1 (tokenize in
+    this process)."""
     if num_proc <= 1:
         yield None
         return
@@ -171,11 +172,9 @@ def prepare_rows(
 
     # Load (and validate) every source first: a bad file fails before any tokenizing.
     loaded = _load_sources(sources, limit, holdout_fraction)
-    if num_proc is None:
-        num_proc = auto_num_proc(sum(len(convs) for _, _, convs, _ in loaded))
-    with _worker_pool(int(num_proc), tokenizer, max_length, chat_template) as pool:
-        columns, per_source, totals = _tokenize_sources(loaded, tokenizer, max_length, chat_template, pool,
-                                                        int(num_proc))
+    procs = auto_num_proc(sum(len(convs) for _, _, convs, _ in loaded)) if num_proc is None else int(num_proc)
+    with _worker_pool(procs, tokenizer, max_length, chat_template) as pool:
+        columns, per_source, totals = _tokenize_sources(loaded, tokenizer, max_length, chat_template, pool, procs)
 
     summary = dict(
         totals,
