@@ -34,7 +34,8 @@
 # all of the mixed set and 80 / 64 / 64 of the others, ~10 minutes more), BATCHES (default 1,8,32), SETS (the
 # eval sets, default "mixed vicuna gsm8k_holdout code_holdout"), MERGE="F ..." (earlier
 # summaries whose heads join this one's), EXTRA_OV (more overrides for every stage),
-# SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT), SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every count tiny).
+# SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT, SWEEP_DTYPE), SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every
+# count tiny).
 # Run from the repository root with the project installed. Every stage resumes: a second run after a kill skips the
 # stages that finished with the same command and goes on from there (training from its last checkpoint).
 set -u
@@ -173,10 +174,13 @@ fi
 # 7. SWEEP=1: eval --sweep on the held-out code set's first SWEEP_LIMIT prompts (default 32): the head, n-gram and
 #    suffix decoding at every k of SWEEP_K (default 2,3,4; a parallel head at its own k) served with continuous
 #    batching at concurrency 1, 8 and 32, plain beside them; the recommended vLLM --speculative-config and SGLang
-#    flags go to RUN/eval_sweep_KIND/report.md and into the exported head's model card
+#    flags go to RUN/eval_sweep_KIND/report.md and into the exported head's model card. The target runs in
+#    SWEEP_DTYPE (default bfloat16, the dtype it is served in; float32 keeps every output identical to plain
+#    decoding's but decodes at about half the speed, so its speedups are not a server's)
 if [ -n "${SWEEP:-}" ]; then
   # two serving passes a point, 3 x (1 + drafters x k) points: well past a stage's default 900 s on this target
-  LIMIT=2400 stage sweep_$KIND $S eval $R "${OV[@]}" "${KO[@]}" "eval.prompts=$RUN/data/code_holdout.json" \
+  LIMIT=2400 stage sweep_$KIND $S eval $R "${OV[@]}" "${KO[@]}" target.dtype=${SWEEP_DTYPE:-bfloat16} \
+    "eval.prompts=$RUN/data/code_holdout.json" \
     eval.split=all eval.limit=${SWEEP_LIMIT:-32} "eval.head=[$ED]" "eval.compare=[ngram,suffix]" \
     eval.sweep.enabled=true "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.update_card=true eval.out=$RUN/eval_sweep_$KIND
 fi
