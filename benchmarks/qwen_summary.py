@@ -181,6 +181,32 @@ def _identical(r: dict) -> str:
     return "no" + (f" ({n} differ, first at token {at})" if n is not None else "")
 
 
+def sweep_summary(eval_dir: Path) -> dict | str:
+    """``eval --sweep``'s result for one head (``RUN/eval_sweep_KIND``): the recommendation per concurrency with
+    its τ, speedup, identity and serving commands, each drafter's best k, and plain decoding's rate; from the
+    report, or from ``sweep_partial.json`` when the sweep was cut short (``complete`` False, no recommendation)."""
+    rep = _load(eval_dir / "report.json") or {}
+    # the eval's report is written before its sweep starts: a sweep cut short is in sweep_partial.json alone
+    sw = rep.get("sweep") or _load(eval_dir / "sweep_partial.json")
+    if sw is None:
+        return "not run"
+    settings = rep.get("settings") or sw.get("settings") or {}
+    point = ("concurrency", "drafter", "k", "tau", "tokens_per_s", "speedup")
+    serve = ("vllm_flag", "sglang", "sglang_note")
+
+    def keep(p: dict) -> dict:
+        ll = p.get("lossless") or {}
+        return {**{k: p.get(k) for k in point}, "identical": ll.get("identical"), "total": ll.get("total"),
+                **{k: (p.get("serving") or {}).get(k) for k in serve}}
+    return {"complete": "recommendation" in sw, "dtype": settings.get("dtype"),
+            "prompts": (rep.get("prompts") or {}).get("path"), "conversations": sw.get("conversations"),
+            "max_new_tokens": sw.get("max_new_tokens"),
+            "plain": [{k: p.get(k) for k in ("concurrency", "in_flight", "tokens_per_s")} for p in sw.get("plain", [])],
+            "recommendation": [keep(p) for p in sw.get("recommendation", [])],
+            "best": [keep(p) for p in sw.get("best", [])], "points": [keep(p) for p in sw.get("points", [])],
+            "notes": sw.get("notes", [])}
+
+
 def stage_seconds(stages: dict, kind: str) -> dict:
     own = [n for n in stages if n in (f"train_{kind}", f"export_{kind}") or n.startswith(f"eval_{kind}_")]
     names = [n for n in DATA_STAGES if n in stages] + own
@@ -232,6 +258,7 @@ def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None
                      "peak_flops_per_s": peak, "device": bandwidth.get("device")} if fl and tps and peak
                     else "not measured")
         h["time"] = stage_seconds(out["stages"], kind)
+        h["sweep"] = sweep_summary(run / f"eval_sweep_{kind}")
         out["heads"][kind] = h
     return out
 
@@ -438,6 +465,10 @@ def markdown(s: dict) -> str:
         if isinstance(h, dict) and h.get("time") and _evaluated(h):
             lines.append(f"\n{kind}: prompts → evaluated head {h['time']['seconds']} s, the sum of its stages "
                          f"({', '.join(h['time']['stages'])}).")
+    for kind, h in s["heads"].items():
+        sw = h.get("sweep") if isinstance(h, dict) else None
+        if isinstance(sw, dict):
+            lines += sweep_markdown(kind, sw)
     lines += ["", "Goals:", ""]
     for name, v in s["goals"].items():
         lines.append(f"- {name}: " + (v if isinstance(v, str) else
@@ -447,6 +478,25 @@ def markdown(s: dict) -> str:
                                       + (f", on {v['device']}" if v.get("device") else "")
                                       + (f", short: {', '.join(v['short'])}" if v.get("short") else "")))
     return "\n".join(lines) + "\n"
+
+
+def sweep_markdown(kind: str, sw: dict) -> list[str]:
+    """The serving sweep's recommendation per concurrency (or, cut short, the points it measured)."""
+    plain = {p["concurrency"]: p["tokens_per_s"] for p in sw["plain"]}
+    rows = sw["recommendation"] if sw["complete"] else sw["points"]
+    head = (f"\n{kind} serving sweep (`eval --sweep`, continuous batching, {sw.get('conversations')} conversations of "
+            f"the held-out code set, {sw.get('max_new_tokens')} new tokens, {sw.get('dtype')}): "
+            + ("the recommended configuration per concurrency:" if sw["complete"]
+               else "cut short, no recommendation; the points it measured:"))
+    lines = [head, "", "| concurrency | drafter | k | τ | tok/s (plain) | speedup | identical to plain | vLLM |",
+             "|---:|---|---:|---:|---:|---:|---|---|"]
+    for p in rows:
+        ident = f"{p['identical']}/{p['total']}" if p.get("total") else "—"
+        flag = f"`{p['vllm_flag']}`" if p.get("vllm_flag") else "no flag (plain)"
+        lines.append(f"| {p['concurrency']} | {p['drafter']} | {p['k']} | {_f(p.get('tau'))} | "
+                     f"{_f(p.get('tokens_per_s'), '{:,.0f}')} ({_f(plain.get(p['concurrency']), '{:,.0f}')}) | "
+                     f"{_f(p.get('speedup'))}× | {ident} | {flag} |")
+    return lines
 
 
 def main(argv=None):

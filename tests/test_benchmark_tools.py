@@ -735,3 +735,58 @@ def test_bench_dflash_attention_compares_both_paths(tmp_path):
         assert (r["max_abs_diff"] is None) == (r["attention"] == "dense")
         assert r["attention"] == "dense" or r["max_abs_diff"] < (5e-2 if res["dtype"] == "bfloat16" else 1e-4)
     assert json.loads(out.read_text())["runs"] == res["runs"]
+
+
+def _sweep_point(C, drafter, k, tau, rate, speedup, identical, flag):
+    return {"concurrency": C, "in_flight": C, "drafter": drafter, "kind": "x", "head": None, "k": k, "tau": tau,
+            "tokens": 4096, "seconds": 4096 / rate, "tokens_per_s": rate, "speedup": speedup,
+            "lossless": {"identical": identical, "total": 32},
+            "serving": {"vllm_flag": flag, "sglang": None, "sglang_note": "none", "vllm_speculative_config": {}}}
+
+
+def test_qwen_summary_reports_the_serving_sweep_and_a_sweep_cut_short(tmp_path):
+    """The sweep's recommendation per concurrency goes into the summary and its Markdown with the exact vLLM flag;
+    a sweep cut short (only sweep_partial.json beside the eval's report) is said to be so, with its points and no
+    recommendation; no sweep is 'not run'."""
+    mod = _load("qwen_summary")
+    run = tmp_path / "run"
+    ev = run / "eval_sweep_eagle3"
+    ev.mkdir(parents=True)
+    (run / "eval_eagle3_code_holdout").mkdir()
+    report = json.loads((REPO / "benchmarks/results/smollm2_reference/eval_mixed/report.json").read_text())
+    (run / "eval_eagle3_code_holdout" / "report.json").write_text(json.dumps(report))
+    plain = [{"concurrency": 1, "in_flight": 1, "tokens": 4096, "seconds": 10.0, "tokens_per_s": 409.6},
+             {"concurrency": 8, "in_flight": 8, "tokens": 4096, "seconds": 2.0, "tokens_per_s": 2048.0}]
+    pts = [_sweep_point(1, "head", 3, 1.8, 491.5, 1.2, 31, "--speculative-config '{\"k\": 3}'"),
+           _sweep_point(8, "head", 3, 1.7, 1843.2, 0.9, 32, "--speculative-config '{\"k\": 3}'")]
+    plain_rec = {"concurrency": 8, "in_flight": 8, "drafter": "plain (no drafting)", "kind": "plain", "head": None,
+                 "k": 0, "tau": 1.0, "tokens_per_s": 2048.0, "speedup": 1.0, "serving": {"vllm_flag": None}}
+    sweep = {"conversations": 32, "max_new_tokens": 128, "plain": plain, "points": pts, "notes": ["n"],
+             "recommendation": [dict(pts[0], plain_tokens_per_s=409.6), dict(plain_rec, plain_tokens_per_s=2048.0)],
+             "best": pts}
+    (ev / "report.json").write_text(json.dumps(dict(report, sweep=sweep,
+                                                    settings=dict(report["settings"], dtype="torch.bfloat16"))))
+    s = mod.summarize(run, None, None, {})
+    sw = s["heads"]["eagle3"]["sweep"]
+    assert sw["complete"] and sw["dtype"] == "torch.bfloat16" and sw["conversations"] == 32
+    assert [(r["concurrency"], r["drafter"], r["k"]) for r in sw["recommendation"]] == [
+        (1, "head", 3), (8, "plain (no drafting)", 0)]
+    assert sw["recommendation"][0]["identical"] == 31 and sw["recommendation"][1]["total"] is None
+    s["goals"] = mod.goals(s)
+    md = mod.markdown(s)
+    assert "the recommended configuration per concurrency:" in md
+    assert "| 1 | head | 3 | 1.80 | 492 (410) | 1.20× | 31/32 | `--speculative-config '{\"k\": 3}'` |" in md
+    assert "| 8 | plain (no drafting) | 0 | 1.00 | 2,048 (2,048) | 1.00× | — | no flag (plain) |" in md
+    # cut short: the eval's report without its sweep, the points so far beside it
+    (ev / "report.json").write_text(json.dumps(report))
+    (ev / "sweep_partial.json").write_text(json.dumps({"created": "x", "settings": {"dtype": "torch.bfloat16"},
+                                                       "complete": False, "plain": plain[:1], "points": pts[:1]}))
+    sw = mod.summarize(run, None, None, {})["heads"]["eagle3"]["sweep"]
+    assert not sw["complete"] and sw["recommendation"] == [] and len(sw["points"]) == 1
+    assert sw["dtype"] == report["settings"]["dtype"]       # the eval's report names the dtype both ran in
+    s2 = mod.summarize(run, None, None, {})
+    s2["goals"] = mod.goals(s2)
+    assert "cut short, no recommendation; the points it measured:" in mod.markdown(s2)
+    (ev / "sweep_partial.json").unlink()
+    (ev / "report.json").unlink()
+    assert mod.summarize(run, None, None, {})["heads"]["eagle3"]["sweep"] == "not run"
