@@ -222,7 +222,7 @@ class DataConfig(_Section):
     regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
     synthesize: SynthesizeConfig = Field(default_factory=SynthesizeConfig)
     rows_dir: str | None = None  # default: {run_dir}/data/rows
-    # processes that tokenize in `data prepare`; null: up to 8 of this machine's cores from 4,000 conversations on
+    # processes that tokenize in `data prepare`; null: up to 8 of this machine's cores from 20,000 conversations on
     # (the stage took 88 s for 41k conversations in one process on an H100 host, 2026-12-07, most of it
     # tokenizing); the rows are the same for any count
     num_proc: int | None = Field(None, ge=1)

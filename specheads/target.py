@@ -331,7 +331,7 @@ def target_facts(source: str) -> dict:
     gguf = _gguf_path(source)
     try:
         if gguf is not None:
-            cfg = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            cfg = _cached_gguf_config(gguf)
         else:
             _check_hf_source(source)
             cfg = AutoConfig.from_pretrained(source)
@@ -493,6 +493,22 @@ def _read_cached(cache: Path | None, part: str, load, source: Path):
               file=sys.stderr, flush=True)
         shutil.rmtree(cache / part, ignore_errors=True)
         return None
+
+
+def _cached_gguf_config(path: Path):
+    """The GGUF's model config, kept in the cache after its first read: transformers builds it by parsing all of
+    the file's metadata, the tokenizer's vocabulary included (7.4 s for Qwen2.5's 151,936 tokens on a CPU core),
+    and every stage that needs the target's facts without its weights would pay that again."""
+    from transformers import AutoConfig
+
+    cache = gguf_cache_dir(path)
+    cfg = _read_cached(cache, "config", AutoConfig.from_pretrained, path)
+    if cfg is not None:
+        return cfg
+    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if cache is not None:
+        _store_in_cache(cache / "config", cfg.save_pretrained)
+    return cfg
 
 
 def _cached_gguf_tokenizer(path: Path):

@@ -562,12 +562,12 @@ def test_prepare_rows_num_proc_matches_serial(tmp_path, smol):
 
 
 def test_prepare_rows_picks_its_processes(tmp_path, smol, monkeypatch):
-    """num_proc=None (the recipe's default): one process below 4,000 conversations, else up to 8 of the cores this
+    """num_proc=None (the recipe's default): one process below 20,000 conversations, else up to 8 of the cores this
     process may use; an explicit count is taken as given."""
     from specheads.data import prepare
 
     monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert prepare.auto_num_proc(3999) == 1 and prepare.auto_num_proc(4000) == 8
+    assert prepare.auto_num_proc(19_999) == 1 and prepare.auto_num_proc(20_000) == 8
     monkeypatch.setattr(prepare.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert prepare.auto_num_proc(41_000) == 2
     asked = []

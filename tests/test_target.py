@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -114,6 +116,26 @@ def test_gguf_cache_serves_the_same_target(smollm2, tmp_path, monkeypatch, capsy
     assert "unreadable" in capsys.readouterr().err
     assert tok(text).input_ids == direct.tokenizer(text).input_ids
     assert load_tokenizer("smollm2-135m")(text).input_ids == direct.tokenizer(text).input_ids  # rewritten
+
+
+def test_gguf_config_is_read_once_then_from_the_cache(tmp_path, monkeypatch, capsys):
+    """target_facts of a GGUF file (what prepare, dump and export read without the weights) parses the file's
+    metadata once and keeps the config beside the de-quantised copy: the same facts from the cache, and a
+    damaged copy read again from the GGUF."""
+    from specheads.target import bundled_gguf_path, gguf_cache_dir, target_facts
+
+    src = str(bundled_gguf_path())
+    monkeypatch.setenv("SPECHEADS_GGUF_CACHE", "off")
+    direct = target_facts(src)
+    monkeypatch.setenv("SPECHEADS_GGUF_CACHE", str(tmp_path / "cache"))
+    cache = gguf_cache_dir(bundled_gguf_path())
+    assert target_facts(src) == direct and (cache / "config" / "config.json").is_file()
+    assert direct["num_hidden_layers"] == 30 and direct["hidden_size"] == 576 and direct["vocab_size"] == 49152
+    (cache / "config" / "config.json").write_text("{not json")
+    capsys.readouterr()
+    assert target_facts(src) == direct
+    assert "unreadable" in capsys.readouterr().err
+    assert target_facts(src) == direct and json.loads((cache / "config" / "config.json").read_text())
 
 
 def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
