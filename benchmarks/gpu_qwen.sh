@@ -14,8 +14,8 @@
 #   6. bandwidth.py: the device's copy bandwidth and the bf16 weights' bytes -> plain decoding's bound at batch 1,
 #      printed beside plain decoding's figure (this kind's bench_runtime JSON, else another kind's: plain decoding has
 #      no head), and the matmul peak the online training's MFU is computed against
-# Steps 1-4 are the "prompts -> evaluated head" time (the timeline's prompts_to_eval_KIND; a 20-minute budget on one
-# H100, the recipe's comments give the estimate behind the data size). 5 may be a run of its own: RUNTIME=1 on a
+# Steps 1-4 are the "prompts -> evaluated head" time (the timeline's prompts_to_eval_KIND[_TAG]; a 20-minute budget on
+# one H100, the recipe's comments give the estimate behind the data size). 5 may be a run of its own: RUNTIME=1 on a
 # finished OUT skips every finished stage.
 #
 # Usage:  bash benchmarks/gpu_qwen.sh PARTS_OR_GGUF DATA OUT   (or the environment variables GGUF, DATA, OUT)
@@ -24,7 +24,8 @@
 #   DATA           the folder with gsm8k_train.jsonl, new_codealpaca.json, code_alpaca_2k.json (evaluated on, never
 #                  trained on) and vicuna_bench_questions.jsonl
 #   OUT            where the results go: timeline.txt, log.txt, qwen2.5_coder_1.5b.json/.md, bandwidth.json,
-#                  bench_runtime_KIND.json, reports.tar.gz; the run itself (rows, checkpoints) goes to RUN (OUT/run)
+#                  bench_runtime_KIND[_TAG].json, reports.tar.gz; the run itself (rows, checkpoints) goes to RUN
+#                  (OUT/run)
 # Environment: KIND=eagle3|peagle|dflash (the recipe recipes/qwen2.5_coder_1.5b_KIND.yaml; default eagle3), RUNTIME=1,
 # SERVE (requests served, default 64), PROMPTS / GSM8K / EPOCHS (the synthesized prompts, gsm8k rows and training
 # epochs, to retune the budget once a run has measured its rates; give every kind the same PROMPTS and GSM8K, or its
@@ -33,7 +34,9 @@
 # eval set, default 40: the four sets' first 40 fit the 20-minute budget, 933 s in all on an H100; EVAL_LIMIT= for
 # all of the mixed set and 80 / 64 / 64 of the others, ~10 minutes more), BATCHES (default 1,8,32), SETS (the
 # eval sets, default "mixed vicuna gsm8k_holdout code_holdout"), MERGE="F ..." (earlier
-# summaries whose heads join this one's), EXTRA_OV (more overrides for every stage),
+# summaries whose heads join this one's), EXTRA_OV (more overrides for every stage), LR (train.lr of this head
+# alone), TAG (a suffix of the head's files and stages, as eagle3_TAG: variants of one kind on the same rows, e.g.
+# TAG=lr1e-3 LR=1e-3 beside the recipe's head; the summary lists them, its goals judge the untagged head),
 # SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT, SWEEP_DTYPE), SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every
 # count tiny).
 # Run from the repository root with the project installed. Every stage resumes: a second run after a kill skips the
@@ -42,6 +45,12 @@ set -u
 SRC=${1:-${GGUF:-}}; DATA=${2:-${DATA:-data}}; OUT=${3:-${OUT:-out}}
 KIND=${KIND:-eagle3}
 case $KIND in eagle3|peagle|dflash) ;; *) echo "KIND=$KIND: one of eagle3, peagle, dflash" >&2; exit 2 ;; esac
+[[ -z "${TAG:-}" || $TAG =~ ^[A-Za-z0-9.-]+$ ]] ||
+  { echo "TAG: '$TAG' must be letters, digits, '.' or '-' (it names the head's files after KIND_)" >&2; exit 2; }
+HN=$KIND${TAG:+_$TAG}   # the head's name: its stages, folders and runtime JSON
+# another learning rate is another head: without a TAG it would resume the recipe's head's finished checkpoints
+[ -n "${LR:-}" ] && [ -z "${TAG:-}" ] && { echo "LR=$LR needs a TAG: it trains a variant beside the recipe's head" >&2
+  exit 2; }
 . "$(dirname "$0")/gpu_setup.sh"
 RD=recipes/qwen2.5_coder_1.5b_eagle3.yaml   # the data stages' recipe: the rows every kind trains on
 R=recipes/qwen2.5_coder_1.5b_$KIND.yaml
@@ -56,7 +65,8 @@ OV=(run_dir=$RUN target.device=$DEVICE "${TARGET_OV[@]}" "data.sources.0.path=$D
 # TOV: the overrides of the head's own stages, kept out of the data stages' commands (a change re-runs only those)
 TOV=(); [ -n "${EPOCHS:-}" ] && TOV+=(train.epochs=$EPOCHS)
 [ -n "${TRAIN_MINUTES:-}" ] && TOV+=(train.max_minutes=$TRAIN_MINUTES)
-TD=$RUN/train_$KIND; ED=$RUN/export_$KIND
+[ -n "${LR:-}" ] && TOV+=(train.lr=$LR)
+TD=$RUN/train_$HN; ED=$RUN/export_$HN
 K=3; [ $KIND = peagle ] && K=4; [ $KIND = dflash ] && K=15
 SETS=${SETS:-mixed vicuna gsm8k_holdout code_holdout}; ML=null; VL=80; GL=64; CL=64
 EVAL_LIMIT=${EVAL_LIMIT-40}
@@ -111,7 +121,7 @@ summary() {
     "$RUN"/vocab/vocab.json "$RUN"/export_*/config.json "$RUN"/export_*/README.md 2>/dev/null
 }
 trap summary EXIT
-log "gpu_qwen.sh KIND=$KIND ${SMALL:+SMALL=1 }DEVICE=$DEVICE"
+log "gpu_qwen.sh KIND=$KIND ${TAG:+TAG=$TAG }${SMALL:+SMALL=1 }DEVICE=$DEVICE"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/timeline.txt"
 df -h "$OUT" 2>/dev/null | tail -1 | tee -a "$OUT/timeline.txt"
 
@@ -143,9 +153,9 @@ stage prepare $S data prepare $RD "${OV[@]}" && stage vocab $S vocab $RD "${OV[@
 stage code_holdout python3 benchmarks/qwen_summary.py code-holdout --src "$DATA/code_alpaca_2k.json" \
   --exclude "$DATA/new_codealpaca.json" --out "$RUN/data/code_holdout.json" || exit 1
 # 3. the head, trained online, from its last checkpoint after a kill
-LIMIT=$LIMIT_TRAIN stage train_$KIND $S train $R "${OV[@]}" "${KO[@]}" \
+LIMIT=$LIMIT_TRAIN stage train_$HN $S train $R "${OV[@]}" "${KO[@]}" \
   train.resume=$([ -d "$TD/checkpoints" ] && echo true || echo false) || exit 1
-stage export_$KIND $S export $R "${OV[@]}" "${KO[@]}" || exit 1
+stage export_$HN $S export $R "${OV[@]}" "${KO[@]}" || exit 1
 # 4. the eval sets (the four by default), each with n-gram, suffix decoding and both hybrids beside the head
 #    (the recipe's compare)
 for set in $SETS; do
@@ -155,34 +165,35 @@ for set in $SETS; do
     gsm8k_holdout) src=("eval.prompts=$DATA/gsm8k_train.jsonl" eval.split=holdout eval.limit=$GL) ;;
     code_holdout) src=("eval.prompts=$RUN/data/code_holdout.json" eval.split=all eval.limit=$CL) ;;
   esac
-  stage eval_${KIND}_$set $S eval $R "${OV[@]}" "${KO[@]}" "${src[@]}" "eval.head=[$ED]" \
-    eval.out=$RUN/eval_${KIND}_$set
+  stage eval_${HN}_$set $S eval $R "${OV[@]}" "${KO[@]}" "${src[@]}" "eval.head=[$ED]" \
+    eval.out=$RUN/eval_${HN}_$set
   summary
 done
 # the wall time of a run that did every stage itself (a resumed one's stages are in the summary's sum)
-[ -z "$SKIPPED" ] && log "end prompts_to_eval_$KIND rc=0 $(( $(date +%s) - T0 - FREE_S ))s (wall time, prompts to the \
+[ -z "$SKIPPED" ] && log "end prompts_to_eval_$HN rc=0 $(( $(date +%s) - T0 - FREE_S ))s (wall time, prompts to the \
 last eval, less the model-free runtime's ${FREE_S}s)"
 
 # 5-6. decode speed with the head (plain again: the speedups compare within one run; n-gram and suffix are in the
 #      model-free run), then plain decoding beside its memory-bandwidth bound once more
 if [ -n "${RUNTIME:-}" ]; then
-  LIMIT=600 measure runtime_$KIND python3 benchmarks/bench_runtime.py --target "$TGT" --device $DEVICE --cuda-graphs \
+  LIMIT=600 measure runtime_$HN python3 benchmarks/bench_runtime.py --target "$TGT" --device $DEVICE --cuda-graphs \
     --batches $BATCHES --new-tokens $NEW --head "$ED" --k $K --engines $ENGINES \
     --drafters ${RUNTIME_DRAFTERS:-plain,head,hybrid,hybrid_suffix} --repeat $REPEAT --serve ${SERVE:-64} \
-    --out "$OUT/bench_runtime_$KIND.json"
+    --out "$OUT/bench_runtime_$HN.json"
 fi
 # 7. SWEEP=1: eval --sweep on the held-out code set's first SWEEP_LIMIT prompts (default 32): the head, n-gram and
 #    suffix decoding at every k of SWEEP_K (default 2,3,4; a parallel head at its own k) served with continuous
 #    batching at concurrency 1, 8 and 32, plain beside them; the recommended vLLM --speculative-config and SGLang
-#    flags go to RUN/eval_sweep_KIND/report.md and into the exported head's model card. The target runs in
-#    SWEEP_DTYPE (default bfloat16, the dtype it is served in; float32 keeps every output identical to plain
-#    decoding's but decodes at about half the speed, so its speedups are not a server's)
+#    flags go to RUN/eval_sweep_KIND[_TAG]/report.md and into the exported head's model card. The target runs in
+#    SWEEP_DTYPE (default bfloat16, the dtype it is served in; in float32 every output stays identical to plain
+#    decoding's, but plain decoding served one request at 227 tok/s against 372 in bfloat16 on an H100: not a
+#    server's speeds)
 if [ -n "${SWEEP:-}" ]; then
   # two serving passes a point, 3 x (1 + drafters x k) points: well past a stage's default 900 s on this target
-  LIMIT=2400 stage sweep_$KIND $S eval $R "${OV[@]}" "${KO[@]}" target.dtype=${SWEEP_DTYPE:-bfloat16} \
+  LIMIT=2400 stage sweep_$HN $S eval $R "${OV[@]}" "${KO[@]}" target.dtype=${SWEEP_DTYPE:-bfloat16} \
     "eval.prompts=$RUN/data/code_holdout.json" \
     eval.split=all eval.limit=${SWEEP_LIMIT:-32} "eval.head=[$ED]" "eval.compare=[ngram,suffix]" \
-    eval.sweep.enabled=true "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.update_card=true eval.out=$RUN/eval_sweep_$KIND
+    eval.sweep.enabled=true "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.update_card=true eval.out=$RUN/eval_sweep_$HN
 fi
 bandwidth
 summary; trap - EXIT

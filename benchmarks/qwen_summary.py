@@ -12,7 +12,9 @@ and suffix decoding without a head), ``bandwidth.py``'s JSON and the script's ti
 of the head, n-gram, suffix decoding and the two hybrids, the head against the better model-free drafter (overall
 and per category), and the hybrid that pairs the head with that one; decode speed per batch size, static and
 served; the goals judged on what was measured (anything not run is said so). ``--merge F`` fills the heads this run
-did not train from an earlier summary (each head kind is a run of its own), marked ``carried_over``.
+did not train from an earlier summary (each head kind is a run of its own), marked ``carried_over``. A head trained
+with gpu_qwen.sh's TAG (``train_KIND_TAG``: a variant on the same rows, another learning rate say) is listed under
+``KIND_TAG`` beside the recipe's head; the goals judge the recipe's heads.
 
     python benchmarks/qwen_summary.py code-holdout --src DATA/code_alpaca_2k.json \\
         --exclude DATA/new_codealpaca.json --out RUN/data/code_holdout.json
@@ -191,6 +193,9 @@ def sweep_summary(eval_dir: Path) -> dict | str:
     if sw is None:
         return "not run"
     settings = rep.get("settings") or sw.get("settings") or {}
+    # a cut sweep's points carry no counts of their own: they are the eval's prompts and settings
+    sw = {"conversations": (rep.get("prompts") or {}).get("count"),
+          "max_new_tokens": settings.get("max_new_tokens"), **sw}
     point = ("concurrency", "drafter", "k", "tau", "tokens_per_s", "speedup")
     serve = ("vllm_flag", "sglang", "sglang_note")
 
@@ -207,11 +212,22 @@ def sweep_summary(eval_dir: Path) -> dict | str:
             "notes": sw.get("notes", [])}
 
 
-def stage_seconds(stages: dict, kind: str) -> dict:
-    own = [n for n in stages if n in (f"train_{kind}", f"export_{kind}") or n.startswith(f"eval_{kind}_")]
+def head_names(run: Path) -> list[tuple[str, str]]:
+    """(name, kind) of every head in the run: each kind, then the variants it trained (gpu_qwen.sh TAG: a
+    ``train_KIND_TAG`` folder; a tag has no '_', so ``train_eagle3_a_b`` is no variant of eagle3)."""
+    out = []
+    for kind in KINDS:
+        out.append((kind, kind))
+        tags = sorted(p.name[len(f"train_{kind}_"):] for p in run.glob(f"train_{kind}_*") if p.is_dir())
+        out += [(f"{kind}_{t}", kind) for t in tags if "_" not in t]
+    return out
+
+
+def stage_seconds(stages: dict, name: str) -> dict:
+    own = [n for n in stages if n in (f"train_{name}", f"export_{name}", *(f"eval_{name}_{s}" for s in SETS))]
     names = [n for n in DATA_STAGES if n in stages] + own
     return {"seconds": sum(stages[n]["seconds"] for n in names), "stages": names,
-            "wall_s": (stages.get(f"prompts_to_eval_{kind}") or {}).get("seconds")}
+            "wall_s": (stages.get(f"prompts_to_eval_{name}") or {}).get("seconds")}
 
 
 def run_device(timeline_file: Path | None) -> str | None:
@@ -240,26 +256,28 @@ def summarize(run: Path, timeline_file: Path | None, bandwidth_file: Path | None
            "model_free_runtime": runtime_rows(_load(runtimes.get("model_free")))}
     if isinstance(out["code_holdout"], dict):
         out["code_holdout"].pop("dropped", None)  # their instructions stay in the .summary.json beside the set
-    for kind in KINDS:
-        h = {"training": head_training(run / f"train_{kind}"), "evals": {},
-             "runtime": runtime_rows(_load(runtimes.get(kind)))}
-        for name in SETS:
-            rep = _load(run / f"eval_{kind}_{name}" / "report.json")
-            h["evals"][name] = versus_free(eval_set(rep)) if rep else "not run"
+    for name, kind in head_names(run):
+        h = {"training": head_training(run / f"train_{name}"), "evals": {},
+             "runtime": runtime_rows(_load(runtimes.get(name)))}
+        for es in SETS:
+            rep = _load(run / f"eval_{name}_{es}" / "report.json")
+            h["evals"][es] = versus_free(eval_set(rep)) if rep else "not run"
         if h["training"] is None and all(v == "not run" for v in h["evals"].values()):
             # a runtime alone (a head trained in an earlier run, timed in this one): ``merge`` adds the rest
-            out["heads"][kind] = {"training": None, "evals": h["evals"], "runtime": h["runtime"]} if h["runtime"] \
+            out["heads"][name] = {"training": None, "evals": h["evals"], "runtime": h["runtime"]} if h["runtime"] \
                 else "not run"
             continue
+        if name != kind:
+            h["kind"] = kind
         fl = flops_per_token(h["training"], rows, bandwidth)
         tps = (h["training"] or {}).get("tokens_per_s_median")
         peak = ((bandwidth or {}).get("matmul_peak") or {}).get("flops_per_s")
         h["mfu"] = ({"value": tps * fl["total"] / peak, "tokens_per_s": tps, "flops_per_token": fl,
                      "peak_flops_per_s": peak, "device": bandwidth.get("device")} if fl and tps and peak
                     else "not measured")
-        h["time"] = stage_seconds(out["stages"], kind)
-        h["sweep"] = sweep_summary(run / f"eval_sweep_{kind}")
-        out["heads"][kind] = h
+        h["time"] = stage_seconds(out["stages"], name)
+        h["sweep"] = sweep_summary(run / f"eval_sweep_{name}")
+        out["heads"][name] = h
     return out
 
 
@@ -345,8 +363,10 @@ def _drafts_with_head(drafter: str) -> bool:
 
 def speed_goals(summary: dict) -> dict:
     """The best head's speedup at batch 1 (one request) and served at 8 and 32 slots (continuous batching), and
-    speedup ÷ τ of every drafter at batch 1, from the bench_runtime rows."""
-    g, rows = {}, list(speed_rows(summary))
+    speedup ÷ τ of every drafter at batch 1, from the bench_runtime rows: the model-free run's and the recipe's heads'
+    (a TAG variant's rows are listed, not judged)."""
+    variants = {n for n, h in summary["heads"].items() if isinstance(h, dict) and "kind" in h}
+    g, rows = {}, [(src, m, r) for src, m, r in speed_rows(summary) if src.split(" (from ")[0] not in variants]
     for batch, want in SPEED_GOALS.items():
         mode = "static" if batch == 1 else "served"
         name = f"best_head_speedup_{'batch' if batch == 1 else 'served'}{batch}>={want}"
@@ -493,7 +513,7 @@ def sweep_markdown(kind: str, sw: dict) -> list[str]:
     for p in rows:
         ident = f"{p['identical']}/{p['total']}" if p.get("total") else "—"
         flag = f"`{p['vllm_flag']}`" if p.get("vllm_flag") else "no flag (plain)"
-        lines.append(f"| {p['concurrency']} | {p['drafter']} | {p['k']} | {_f(p.get('tau'))} | "
+        lines.append(f"| {p['concurrency']} | {p['drafter']} | {p['k'] or '—'} | {_f(p.get('tau'))} | "
                      f"{_f(p.get('tokens_per_s'), '{:,.0f}')} ({_f(plain.get(p['concurrency']), '{:,.0f}')}) | "
                      f"{_f(p.get('speedup'))}× | {ident} | {flag} |")
     return lines

@@ -463,6 +463,11 @@ def test_gpu_qwen_refuses_missing_inputs_before_any_stage(tmp_path):
     joined.write_bytes(b"GGUF" + b"\0" * 64)
     out = run(joined, data)
     assert out.returncode == 2 and "sha256" in out.stderr, out.stderr
+    # a head variant must be named (TAG), and the name must not hold the '_' that separates it from its kind
+    out = run(joined, data, {"LR": "1e-3"})
+    assert out.returncode == 2 and "LR=1e-3 needs a TAG" in out.stderr, out.stderr
+    out = run(joined, data, {"LR": "1e-3", "TAG": "lr_1e-3"})
+    assert out.returncode == 2 and "TAG: 'lr_1e-3'" in out.stderr, out.stderr
     assert not (tmp_path / "o" / "timeline.txt").exists()
 
 
@@ -776,7 +781,7 @@ def test_qwen_summary_reports_the_serving_sweep_and_a_sweep_cut_short(tmp_path):
     md = mod.markdown(s)
     assert "the recommended configuration per concurrency:" in md
     assert "| 1 | head | 3 | 1.80 | 492 (410) | 1.20× | 31/32 | `--speculative-config '{\"k\": 3}'` |" in md
-    assert "| 8 | plain (no drafting) | 0 | 1.00 | 2,048 (2,048) | 1.00× | — | no flag (plain) |" in md
+    assert "| 8 | plain (no drafting) | — | 1.00 | 2,048 (2,048) | 1.00× | — | no flag (plain) |" in md
     # cut short: the eval's report without its sweep, the points so far beside it
     (ev / "report.json").write_text(json.dumps(report))
     (ev / "sweep_partial.json").write_text(json.dumps({"created": "x", "settings": {"dtype": "torch.bfloat16"},
@@ -784,9 +789,52 @@ def test_qwen_summary_reports_the_serving_sweep_and_a_sweep_cut_short(tmp_path):
     sw = mod.summarize(run, None, None, {})["heads"]["eagle3"]["sweep"]
     assert not sw["complete"] and sw["recommendation"] == [] and len(sw["points"]) == 1
     assert sw["dtype"] == report["settings"]["dtype"]       # the eval's report names the dtype both ran in
+    assert (sw["conversations"], sw["max_new_tokens"]) == (report["prompts"]["count"],
+                                                           report["settings"]["max_new_tokens"])
     s2 = mod.summarize(run, None, None, {})
     s2["goals"] = mod.goals(s2)
-    assert "cut short, no recommendation; the points it measured:" in mod.markdown(s2)
+    md = mod.markdown(s2)
+    assert (f"continuous batching, {report['prompts']['count']} conversations of the held-out code set, "
+            f"{report['settings']['max_new_tokens']} new tokens") in md
+    assert "cut short, no recommendation; the points it measured:" in md
+    assert "| 1 | head | 3 | 1.80 | 492 (410) | 1.20× | 31/32 |" in md
     (ev / "sweep_partial.json").unlink()
     (ev / "report.json").unlink()
     assert mod.summarize(run, None, None, {})["heads"]["eagle3"]["sweep"] == "not run"
+
+
+def test_qwen_summary_lists_a_tagged_variant_beside_the_recipes_head(tmp_path):
+    """gpu_qwen.sh TAG=lr1e-3 trains eagle3_lr1e-3 on the same rows: the summary lists it under that name with its
+    kind, its evals and stage times its own; the recipe's head keeps its own evals and alone is judged."""
+    mod = _load("qwen_summary")
+    run = tmp_path / "run"
+    report = json.loads((REPO / "benchmarks/results/smollm2_reference/eval_mixed/report.json").read_text())
+    for d in ("eval_eagle3_mixed", "eval_eagle3_lr1e-3_mixed", "train_eagle3_lr1e-3", "train_eagle3_not_a_tag"):
+        (run / d).mkdir(parents=True)
+    (run / "eval_eagle3_mixed" / "report.json").write_text(json.dumps(report))
+    tagged = json.loads(json.dumps(report))
+    for r in tagged["runs"]:
+        if r.get("name", "").startswith("head"):
+            r["metrics"]["tau"] = 9.0
+    (run / "eval_eagle3_lr1e-3_mixed" / "report.json").write_text(json.dumps(tagged))
+    rows = [{"split": "train", "step": 10, "tokens_per_s": 30000.0, "loss": 5.0}]
+    (run / "train_eagle3_lr1e-3" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [n for n, _ in mod.head_names(run)] == ["eagle3", "eagle3_lr1e-3", "peagle", "dflash"]
+    timeline = tmp_path / "timeline.txt"
+    timeline.write_text("[10:00:00] end train_eagle3_lr1e-3 rc=0 200s\n"
+                        "[10:01:00] end eval_eagle3_lr1e-3_mixed rc=0 50s\n[10:02:00] end eval_eagle3_mixed rc=0 40s\n")
+    fast = tmp_path / "bench_runtime_eagle3_lr1e-3.json"
+    fast.write_text(json.dumps(_runtime([("compiled", 1, "plain", 1.0, 200.0, 1.0, True),
+                                         ("compiled", 1, "head (eagle3)", 3.0, 600.0, 3.0, True)])))
+    s = mod.summarize(run, timeline, None, {"eagle3_lr1e-3": fast})
+    v, h = s["heads"]["eagle3_lr1e-3"], s["heads"]["eagle3"]
+    assert v["kind"] == "eagle3" and v["training"]["steps"] == 10 and "kind" not in h
+    assert v["evals"]["mixed"]["tau"] == 9.0 and h["evals"]["mixed"]["tau"] != 9.0
+    assert v["time"]["stages"] == ["train_eagle3_lr1e-3", "eval_eagle3_lr1e-3_mixed"]
+    assert h["time"]["stages"] == ["eval_eagle3_mixed"]
+    s["goals"] = mod.goals(s)
+    assert s["goals"]["eagle3_tau_k3_mixed>=2.6"]["value"] == h["evals"]["mixed"]["tau"]
+    # the variant's runtime is listed, but a variant's 3.0x is no speed goal met by the recipe's heads
+    assert s["goals"]["best_head_speedup_batch1>=2.5"] == "not run"
+    md = mod.markdown(s)
+    assert "| eagle3_lr1e-3 | mixed | " in md and "| eagle3_lr1e-3 | 1 | static | head (eagle3) | 3.00 |" in md
