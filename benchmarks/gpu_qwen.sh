@@ -37,7 +37,7 @@
 # summaries whose heads join this one's), EXTRA_OV (more overrides for every stage), LR (train.lr of this head
 # alone), TAG (a suffix of the head's files and stages, as eagle3_TAG: variants of one kind on the same rows, e.g.
 # TAG=lr1e-3 LR=1e-3 beside the recipe's head; the summary lists them, its goals judge the untagged head),
-# SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT, SWEEP_DTYPE), SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every
+# SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT, SWEEP_DTYPE, SWEEP_REPEAT), SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every
 # count tiny).
 # Run from the repository root with the project installed. Every stage resumes: a second run after a kill skips the
 # stages that finished with the same command and goes on from there (training from its last checkpoint).
@@ -193,7 +193,8 @@ if [ -n "${SWEEP:-}" ]; then
   LIMIT=2400 stage sweep_$HN $S eval $R "${OV[@]}" "${KO[@]}" target.dtype=${SWEEP_DTYPE:-bfloat16} \
     "eval.prompts=$RUN/data/code_holdout.json" \
     eval.split=all eval.limit=${SWEEP_LIMIT:-32} "eval.head=[$ED]" "eval.compare=[ngram,suffix]" \
-    eval.sweep.enabled=true "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.update_card=true eval.out=$RUN/eval_sweep_$HN
+    eval.sweep.enabled=true "eval.sweep.k=[${SWEEP_K:-2,3,4}]" eval.sweep.repeat=${SWEEP_REPEAT:-1} \
+    eval.update_card=true eval.out=$RUN/eval_sweep_$HN
 fi
 bandwidth
 summary; trap - EXIT

@@ -196,7 +196,7 @@ def sweep_summary(eval_dir: Path) -> dict | str:
     # a cut sweep's points carry no counts of their own: they are the eval's prompts and settings
     sw = {"conversations": (rep.get("prompts") or {}).get("count"),
           "max_new_tokens": settings.get("max_new_tokens"), **sw}
-    point = ("concurrency", "drafter", "k", "tau", "tokens_per_s", "speedup")
+    point = ("concurrency", "drafter", "k", "tau", "tokens_per_s", "tokens_per_s_passes", "speedup")
     serve = ("vllm_flag", "sglang", "sglang_note")
 
     def keep(p: dict) -> dict:

@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-k", type=int, action="append", help="a k of the sweep (repeat for several; = eval.sweep.k)")
     p.add_argument("--concurrency", type=int, action="append",
                    help="requests in flight of the sweep (repeat for several; = eval.sweep.concurrency)")
+    p.add_argument("--sweep-repeat", type=int,
+                   help="timed passes a sweep point, its rate their median (= eval.sweep.repeat)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved recipe and the plan; load nothing")
     _document_defaults(p, EVAL_FLAGS, EVAL_STANDALONE)
     return ap
@@ -161,7 +163,8 @@ EVAL_FLAGS = {"target": "target.source", "head": "eval.head", "prompts": "eval.p
               "engine": "eval.engine", "thresholds": "eval.thresholds", "chi_square_draws": "eval.chi_square_draws",
               "batch_size": "eval.batch_size", "limit": "eval.limit", "max_new_tokens": "eval.max_new_tokens",
               "out": "eval.out", "update_card": "eval.update_card", "sweep": "eval.sweep.enabled",
-              "sweep_k": "eval.sweep.k", "concurrency": "eval.sweep.concurrency"}
+              "sweep_k": "eval.sweep.k", "concurrency": "eval.sweep.concurrency",
+              "sweep_repeat": "eval.sweep.repeat"}
 
 
 def eval_recipe(args) -> Recipe:
@@ -176,9 +179,9 @@ def eval_recipe(args) -> Recipe:
             raise RecipeError(f"eval without a recipe needs {', '.join(missing)}")
         standalone = [f"{k}={json.dumps(v)}" for k, v in EVAL_STANDALONE.items()]
         recipe = load_recipe(None, standalone + list(args.overrides) + flags)
-    if (getattr(args, "sweep_k", None) or getattr(args, "concurrency", None)) and not recipe.eval.sweep.enabled:
-        raise RecipeError("--sweep-k and --concurrency set the sweep's k and concurrency, but the sweep is off: "
-                          "add --sweep (or eval.sweep.enabled: true)")
+    if any(getattr(args, a, None) for a in ("sweep_k", "concurrency", "sweep_repeat")) and not recipe.eval.sweep.enabled:
+        raise RecipeError("--sweep-k, --concurrency and --sweep-repeat set the sweep's k, concurrency and timed passes, "
+                          "but the sweep is off: add --sweep (or eval.sweep.enabled: true)")
     return recipe
 
 

@@ -393,6 +393,9 @@ class SweepConfig(_Section):
     # requests in flight (slots); above the number of conversations, every conversation is in flight at once
     concurrency: list[Annotated[int, Field(ge=1, le=1024)]] = Field(default_factory=lambda: [1, 8, 32],
                                                                      min_length=1)
+    # timed passes a point (after its untimed warm-up); its rate is their median, their spread is reported. One
+    # pass left neighbouring points of one drafter 0.2x apart on an H100 (Qwen2.5-Coder-1.5B, BENCHMARKS.md)
+    repeat: int = Field(1, ge=1, le=10)
 
     @field_validator("k", "concurrency", mode="before")
     @classmethod

@@ -77,9 +77,11 @@ def test_sweep_flag_and_defaults(tmp_path, capsys):
     assert (s.enabled, s.k, s.concurrency) == (True, [4], [1, 8])
     (tmp_path / "r.yaml").write_text("eval: {sweep: {enabled: true, k: 5}}\n")
     assert load_recipe(tmp_path / "r.yaml", ["eval.sweep.concurrency=2"]).eval.sweep.model_dump() == {
-        "enabled": True, "k": [5], "concurrency": [2]}
-    with pytest.raises(RecipeError, match="the sweep is off: add --sweep"):
-        _recipe(tmp_path, "--compare", "ngram", "--concurrency", "8")
+        "enabled": True, "k": [5], "concurrency": [2], "repeat": 1}
+    assert _recipe(tmp_path, "--compare", "ngram", "--sweep", "--sweep-repeat", "3").eval.sweep.repeat == 3
+    for off in (["--concurrency", "8"], ["--sweep-repeat", "2"]):
+        with pytest.raises(RecipeError, match="the sweep is off: add --sweep"):
+            _recipe(tmp_path, "--compare", "ngram", *off)
     d = _recipe(tmp_path, "--compare", "ngram").eval.sweep
     assert (d.enabled, d.k, d.concurrency) == (False, [1, 2, 3, 4, 5, 6], [1, 8, 32])
     with pytest.raises(RecipeError, match="eval.sweep measures greedy decoding"):
@@ -174,6 +176,32 @@ def test_sweep_end_to_end(tiny_target_dir, tmp_path):
         lines = card.launch_lines("org/tiny-target", d, b["k"], "speculators", "eagle3")
         assert lines["vllm"] in text and lines["sglang"] in text
         assert f"| {b['concurrency']} | {b['k']} | {b['tau']:.2f} | {b['speedup']:.2f}× |" in text
+
+
+def test_sweep_repeat_times_each_point_several_times_and_keeps_tau(tiny_target_dir, tmp_path):
+    """--sweep-repeat 3: every point (plain included) is timed three times, its rate their median and each pass's
+    rate kept; τ and the outputs are those of one pass (suffix decoding forgets the earlier passes' answers, so its
+    τ equals a one-pass sweep's), and the report names the passes and their spread."""
+    head = _save_head(tmp_path / "h", "eagle3")
+    args = ["eval", "--target", str(tiny_target_dir), "--prompts", "builtin:demo_prompts", "--head", str(head),
+            "--compare", "suffix", "--limit", "3", "--max-new-tokens", "8", "--sweep", "--sweep-k", "2",
+            "--concurrency", "2"]
+    assert main(args + ["--out", str(tmp_path / "one")]) == 0
+    assert main(args + ["--out", str(tmp_path / "three"), "--sweep-repeat", "3"]) == 0
+    one, three = (json.loads((tmp_path / d / "report.json").read_text())["sweep"] for d in ("one", "three"))
+    assert three["repeat"] == 3 and one["repeat"] == 1
+    for p in three["plain"] + three["points"]:
+        passes = p["tokens_per_s_passes"]
+        assert len(passes) == 3 and passes == sorted(passes)
+        assert p["tokens_per_s"] == pytest.approx(passes[1])          # the median of three
+    assert [p["tau"] for p in three["points"]] == [p["tau"] for p in one["points"]]
+    assert all(p["tau_passes"] == [p["tau"]] * 3 for p in three["points"])      # no pass drafts from another's answers
+    assert all(p["lossless"]["identical"] == p["lossless"]["total"] == 3 for p in three["points"])
+    md = (tmp_path / "three" / "report.md").read_text()
+    assert "the median of 3 timed passes after an untimed one (slowest–fastest in brackets)" in md
+    fast = three["points"][0]["tokens_per_s_passes"]
+    assert f"({fast[0]:.1f}–{fast[-1]:.1f})" in md
+    assert "one timed pass after an untimed one" in (tmp_path / "one" / "report.md").read_text()
 
 
 def test_a_sweep_cut_short_keeps_the_eval_and_the_points_measured(tiny_target_dir, tmp_path, monkeypatch):

@@ -136,22 +136,33 @@ def _serve_cells(sv: dict) -> tuple[str, str]:
     return vllm, sv.get("sglang_note") or "no `--speculative-*` flags"
 
 
+def _rate_cell(p: dict) -> str:
+    """tok/s, with the slowest and fastest timed pass when there were several."""
+    passes = p.get("tokens_per_s_passes") or []
+    spread = f" ({passes[0]:.1f}–{passes[-1]:.1f})" if len(passes) > 1 else ""
+    return f"{_fmt(p.get('tokens_per_s'), 1)}{spread}"
+
+
 def sweep_markdown(sw: dict) -> list[str]:
     """The serving sweep: every point, then the configuration to serve with at each concurrency."""
+    n = sw.get("repeat") or 1
+    timing = (f"the median of {n} timed passes after an untimed one (slowest–fastest in brackets)" if n > 1
+              else "one timed pass after an untimed one")
     lines = ["", "## Serving sweep (continuous batching)", "",
              f"{sw.get('conversations')} conversations ({sw.get('turns')} turns) served with continuous batching at "
              f"concurrency {', '.join(str(c) for c in sw.get('concurrency', []))} (requests in flight), greedy, "
              f"max_new_tokens {sw.get('max_new_tokens')}. τ = decode tokens per target decode forward, request by "
-             "request; tok/s = every generated token over the wall time, prefills included; speedup = tok/s ÷ plain "
-             "decoding's at the same concurrency; lossless = greedy outputs identical to plain decoding's there.", "",
+             f"request; tok/s = every generated token over the wall time, prefills included, {timing}; speedup = "
+             "tok/s ÷ plain decoding's at the same concurrency; lossless = greedy outputs identical to plain "
+             "decoding's there.", "",
              "| concurrency | drafter | k | τ | tok/s | speedup | lossless |", "|---|---|---|---|---|---|---|"]
     for base in sw.get("plain", []):
         C = base["concurrency"]
-        lines.append(f"| {C} | {PLAIN_NAME} | — | 1.00 | {_fmt(base.get('tokens_per_s'), 1)} | 1.00 | — |")
+        lines.append(f"| {C} | {PLAIN_NAME} | — | 1.00 | {_rate_cell(base)} | 1.00 | — |")
         for p in sw.get("points", []):
             if p["concurrency"] == C:
                 lines.append(f"| {C} | {p['drafter']} | {p['k']} | {_fmt(p.get('tau'))} | "
-                             f"{_fmt(p.get('tokens_per_s'), 1)} | {_fmt(p.get('speedup'))} | "
+                             f"{_rate_cell(p)} | {_fmt(p.get('speedup'))} | "
                              f"{_lossless_cell(p.get('lossless'))} |")
     recs = sw.get("recommendation", [])
     if recs:

@@ -9,7 +9,8 @@ outputs. A P-EAGLE or DFlash head runs only the k one forward drafts: vLLM serve
 Per point: τ = decode tokens per target decode forward, request by request (the engine counts each row's
 forwards; the first token of a request is its prefill's, and a request's last forward counts the tokens it
 kept before its stop token or length cap); tok/s = every generated token over the wall time
-(prefills included); speedup = tok/s ÷ plain tok/s at the same concurrency; lossless = greedy outputs
+(prefills included), the median of ``eval.sweep.repeat`` timed passes after an untimed one (each pass's rate is
+kept); speedup = tok/s ÷ plain tok/s at the same concurrency; lossless = greedy outputs
 identical to plain's. Per concurrency the recommendation is the point with the best speedup, plain decoding
 (1.00×) among them; a tie (equal to the two decimals the report shows) goes to the smaller k, so to plain
 before any drafted point, then to the drafter swept first. With it go the exact vLLM ``--speculative-config``
@@ -19,6 +20,7 @@ and SGLang flags, from the builders the model card uses (``formats.card``) and t
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -96,20 +98,33 @@ def serving(c: Candidate | None, k: int, target: str) -> dict:
             "sglang_note": None if flags else f"SGLang has no reader for a {c.kind} head"}
 
 
-def _served(engine, tok, prompts, drafter, k: int, kw: dict):
-    """An untimed warm-up, then the timed serving run: (results, counts)."""
+def _served(engine, tok, prompts, drafter, k: int, kw: dict, repeat: int = 1):
+    """An untimed warm-up, then ``repeat`` timed serving runs: (the first run's results, its counts with
+    ``seconds`` the runs' median, ``seconds_all`` each run's and ``tau_all`` each run's τ: the same in every run
+    of a greedy sweep, or a pass drafted from another's answers)."""
     # on a GPU the whole stream once untimed: each step width and cache-length bucket captures its CUDA graph the
     # first time it is met, which would otherwise land inside the timed run; elsewhere the first calls' one-off
     # costs are all there is to pay
     warm = dict(kw) if kw["use_cuda_graphs"] else {**kw, "max_new_tokens": min(WARM_TOKENS, kw["max_new_tokens"])}
     chat_continuous(engine, tok, prompts if kw["use_cuda_graphs"] else prompts[:kw["batch_size"]],
                     drafter=drafter, k=k, **warm)
-    forget_responses(drafter)       # suffix decoding: not the warm-up's answers
-    return chat_continuous(engine, tok, prompts, drafter=drafter, k=k, **kw)
+    runs = []
+    for _ in range(repeat):
+        forget_responses(drafter)   # suffix decoding: not the answers of the warm-up or of an earlier pass
+        runs.append(chat_continuous(engine, tok, prompts, drafter=drafter, k=k, **kw))
+    results, st = runs[0]
+    times = [s["seconds"] for _, s in runs]
+    return results, {**st, "seconds": statistics.median(times), "seconds_all": times,
+                     "tau_all": [s.get("tau") for _, s in runs]}
 
 
 def _rate(st: dict) -> float:
     return st["tokens"] / st["seconds"] if st["seconds"] else float("nan")
+
+
+def _spread(st: dict) -> list[float]:
+    """tok/s of each timed pass, slowest first."""
+    return sorted(st["tokens"] / s for s in st["seconds_all"] if s)
 
 
 def run_sweep(engine, target, prompts: list[dict], recipe, candidates: list[Candidate], notes: list[str],
@@ -129,20 +144,21 @@ def run_sweep(engine, target, prompts: list[dict], recipe, candidates: list[Cand
         # refills gathered: a prefill is one eager forward through every layer, dearer than the idle slots it saves
         kw = dict(max_new_tokens=e.max_new_tokens, batch_size=B, seed=recipe.seed, use_cuda_graphs=graphs,
                   refill_at=max(1, B // 8), pipeline_harvest=False)
-        ref, st = _served(engine, tok, prompts, None, 0, kw)
+        ref, st = _served(engine, tok, prompts, None, 0, kw, e.sweep.repeat)
         base = {"concurrency": C, "in_flight": B, "tokens": st["tokens"], "seconds": st["seconds"],
-                "tokens_per_s": _rate(st)}
+                "tokens_per_s": _rate(st), "tokens_per_s_passes": _spread(st)}
         plain.append(base)
         print(f"sweep, concurrency {C}: plain {base['tokens_per_s']:.1f} tok/s", flush=True)
         if progress:
             progress({"complete": False, "plain": plain, "points": points})
         for c in candidates:
             for k in c.ks:
-                res, st = _served(engine, tok, prompts, c.instance, k, kw)
+                res, st = _served(engine, tok, prompts, c.instance, k, kw, e.sweep.repeat)
                 p = {"concurrency": C, "in_flight": B, "drafter": c.label, "kind": c.kind,
                      "head": str(Path(c.drafter).resolve()) if c.drafter not in WEIGHTLESS_LABEL else None,
                      "k": k, "tau": st["tau"], "tokens": st["tokens"], "seconds": st["seconds"],
-                     "tokens_per_s": _rate(st), "speedup": _rate(st) / base["tokens_per_s"],
+                     "tokens_per_s": _rate(st), "tokens_per_s_passes": _spread(st), "tau_passes": st["tau_all"],
+                     "speedup": _rate(st) / base["tokens_per_s"],
                      "lossless": greedy_lossless(ref, res, target, tok), "serving": serving(c, k, serve_target)}
                 points.append(p)
                 ll = p["lossless"]
@@ -159,7 +175,8 @@ def run_sweep(engine, target, prompts: list[dict], recipe, candidates: list[Cand
             notes.append(f"concurrency {r['concurrency']}: the recommended {r['drafter']} k={r['k']} gave "
                          f"{ll.get('identical')}/{ll.get('total')} outputs identical to plain decoding's")
     return {"engine": "continuous batching", "target": serve_target, "concurrency": list(e.sweep.concurrency),
-            "k": list(e.sweep.k), "conversations": len(prompts), "turns": sum(len(p["turns"]) for p in prompts),
+            "k": list(e.sweep.k), "repeat": e.sweep.repeat, "conversations": len(prompts),
+            "turns": sum(len(p["turns"]) for p in prompts),
             "max_new_tokens": e.max_new_tokens, "plain": plain, "points": points, "recommendation": recs,
             "best": best_per_drafter(points), "notes": notes}
 
