@@ -309,6 +309,10 @@ def machine() -> dict:
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                                             check=True).stdout.strip()
+        # a tree copied onto a machine without its commits still answers rev-parse with an older HEAD: the commit
+        # names the code only where no tracked file differs from it
+        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                                capture_output=True, text=True, check=True).stdout.strip())
     except (OSError, subprocess.CalledProcessError):
         pass
     return info

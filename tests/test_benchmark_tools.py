@@ -838,3 +838,28 @@ def test_qwen_summary_lists_a_tagged_variant_beside_the_recipes_head(tmp_path):
     assert s["goals"]["best_head_speedup_batch1>=2.5"] == "not run"
     md = mod.markdown(s)
     assert "| eagle3_lr1e-3 | mixed | " in md and "| eagle3_lr1e-3 | 1 | static | head (eagle3) | 3.00 |" in md
+
+
+def test_summaries_say_whether_the_tree_matched_its_commit(tmp_path):
+    """machine() (every summary's provenance) names the commit and whether a tracked file differed from it: a tree
+    copied onto another machine can carry an older .git, whose HEAD alone would name the wrong code."""
+    import subprocess
+
+    mod = _load("reference_summary")
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git = ["git", "-c", "user.email=a@b", "-c", "user.name=a", "-C", str(repo)]
+    subprocess.run(git + ["init", "-q"], check=True)
+    (repo / "f.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "f.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "c"], check=True)
+    cwd = os.getcwd()
+    try:
+        os.chdir(repo)
+        clean = mod.machine()
+        (repo / "f.py").write_text("x = 2\n")
+        dirty = mod.machine()
+    finally:
+        os.chdir(cwd)
+    assert clean["git_dirty"] is False and dirty["git_dirty"] is True
+    assert clean["git_commit"] == dirty["git_commit"] and len(clean["git_commit"]) == 40
