@@ -495,33 +495,31 @@ def _read_cached(cache: Path | None, part: str, load, source: Path):
         return None
 
 
+def _cached_gguf_part(path: Path, part: str, auto_class):
+    """``auto_class`` (AutoConfig, AutoTokenizer) read from the GGUF once, then from its copy in the cache."""
+    cache = gguf_cache_dir(path)
+    got = _read_cached(cache, part, auto_class.from_pretrained, path)
+    if got is not None:
+        return got
+    got = auto_class.from_pretrained(path.parent, gguf_file=path.name)
+    if cache is not None:
+        _store_in_cache(cache / part, got.save_pretrained)
+    return got
+
+
 def _cached_gguf_config(path: Path):
     """The GGUF's model config, kept in the cache after its first read: transformers builds it by parsing all of
     the file's metadata, the tokenizer's vocabulary included (7.4 s for Qwen2.5's 151,936 tokens on a CPU core),
     and every stage that needs the target's facts without its weights would pay that again."""
     from transformers import AutoConfig
 
-    cache = gguf_cache_dir(path)
-    cfg = _read_cached(cache, "config", AutoConfig.from_pretrained, path)
-    if cfg is not None:
-        return cfg
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if cache is not None:
-        _store_in_cache(cache / "config", cfg.save_pretrained)
-    return cfg
+    return _cached_gguf_part(path, "config", AutoConfig)
 
 
 def _cached_gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    cache = gguf_cache_dir(path)
-    tok = _read_cached(cache, "tokenizer", AutoTokenizer.from_pretrained, path)
-    if tok is not None:
-        return tok
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    if cache is not None:
-        _store_in_cache(cache / "tokenizer", tok.save_pretrained)
-    return tok
+    return _cached_gguf_part(path, "tokenizer", AutoTokenizer)
 
 
 def load_target(
