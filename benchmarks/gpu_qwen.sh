@@ -37,8 +37,8 @@
 # summaries whose heads join this one's), EXTRA_OV (more overrides for every stage), LR (train.lr of this head
 # alone), TAG (a suffix of the head's files and stages, as eagle3_TAG: variants of one kind on the same rows, e.g.
 # TAG=lr1e-3 LR=1e-3 beside the recipe's head; the summary lists them, its goals judge the untagged head),
-# SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT, SWEEP_DTYPE, SWEEP_REPEAT), SMALL=1 DEVICE=cpu (a CPU smoke test of this script: every
-# count tiny).
+# SWEEP=1 (step 7; SWEEP_K, SWEEP_LIMIT, SWEEP_DTYPE, SWEEP_REPEAT), SMALL=1 DEVICE=cpu (a CPU smoke test of
+# this script: every count tiny).
 # Run from the repository root with the project installed. Every stage resumes: a second run after a kill skips the
 # stages that finished with the same command and goes on from there (training from its last checkpoint).
 set -u

@@ -318,6 +318,17 @@ def machine() -> dict:
     return info
 
 
+def judge_goals(summary: dict) -> None:
+    """The head's τ goals on the eval sets this run measured (a carried-over set is no measurement of this run)."""
+    for name, goal in GOALS.items():
+        es = summary["eval_sets"].get(name, {})
+        tau = None if "carried_over" in es else ((es.get("drafters") or {}).get("head") or {}).get("tau")
+        summary["goals"][f"{name}_tau>={goal}"] = {"value": tau, "met": tau is not None and tau >= goal}
+    mixed = summary["eval_sets"].get("mixed", {})
+    if "drafters" in mixed and "carried_over" not in mixed:
+        summary["goals"]["mixed_per_category"] = category_check(mixed)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", type=Path, help="the recipe's run_dir")
@@ -380,13 +391,7 @@ def main(argv=None) -> dict:
         carry_over(summary, earlier, path)
         points += curve_points(earlier, str(path))
     summary["curve"] = merge_curve([p for p in points if p.get("train_tokens") and p.get("heldout_sim_tau")])
-    for name, goal in GOALS.items():
-        es = summary["eval_sets"].get(name, {})
-        tau = None if "carried_over" in es else ((es.get("drafters") or {}).get("head") or {}).get("tau")
-        summary["goals"][f"{name}_tau>={goal}"] = {"value": tau, "met": tau is not None and tau >= goal}
-    mixed = summary["eval_sets"].get("mixed", {})
-    if "drafters" in mixed and "carried_over" not in mixed:
-        summary["goals"]["mixed_per_category"] = category_check(mixed)
+    judge_goals(summary)
     # a benchmark file the run did not write leaves what the summary already holds
     for key, path in (("runtime", a.bench_runtime), ("train_bench", a.bench_train)):
         loaded = _load(path)

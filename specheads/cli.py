@@ -179,9 +179,10 @@ def eval_recipe(args) -> Recipe:
             raise RecipeError(f"eval without a recipe needs {', '.join(missing)}")
         standalone = [f"{k}={json.dumps(v)}" for k, v in EVAL_STANDALONE.items()]
         recipe = load_recipe(None, standalone + list(args.overrides) + flags)
-    if any(getattr(args, a, None) for a in ("sweep_k", "concurrency", "sweep_repeat")) and not recipe.eval.sweep.enabled:
-        raise RecipeError("--sweep-k, --concurrency and --sweep-repeat set the sweep's k, concurrency and timed passes, "
-                          "but the sweep is off: add --sweep (or eval.sweep.enabled: true)")
+    sweep_flags = ("sweep_k", "concurrency", "sweep_repeat")
+    if any(getattr(args, a, None) for a in sweep_flags) and not recipe.eval.sweep.enabled:
+        raise RecipeError("--sweep-k, --concurrency and --sweep-repeat set the sweep's k, concurrency and timed "
+                          "passes, but the sweep is off: add --sweep (or eval.sweep.enabled: true)")
     return recipe
 
 
