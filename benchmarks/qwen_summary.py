@@ -331,11 +331,12 @@ def plain_vs_bound(summary: dict) -> dict | None:
     return None
 
 
-def speed_rows(summary: dict):
+def speed_rows(summary: dict, variants: bool = True):
     """(source, "static" | "served", row) for every decode-speed row: the model-free run's, then each head's. A run
     carried over from an earlier summary is named by its date, and its row of a drafter that this run timed again
     (same mode, batch, k and engine) is left out: the newer code's figure supersedes it. A carried plain row stays
-    while a carried drafted row of its batch and mode does: it is their baseline."""
+    while a carried drafted row of its batch and mode does: it is their baseline. ``variants`` False leaves out the
+    rows of TAG variants (heads with a ``kind`` of their own), which still supersede as above."""
     modes = (("static", "rows"), ("served", "serving"))
     sources = [("model_free", summary.get("model_free_runtime"))]
     sources += [(k, h.get("runtime")) for k, h in summary["heads"].items() if isinstance(h, dict)]
@@ -345,7 +346,10 @@ def speed_rows(summary: dict):
 
     fresh = {key(rt, mode, r) for _, rt in sources if rt and "carried_over" not in rt
              for mode, field in modes for r in rt.get(field) or []}
+    variant = {n for n, h in summary["heads"].items() if isinstance(h, dict) and "kind" in h}
     for src, rt in sources:
+        if not variants and src in variant:
+            continue
         co = (rt or {}).get("carried_over")
         label = f"{src} (from {co.get('date')})" if co else src
         for mode, field in modes:
@@ -365,8 +369,7 @@ def speed_goals(summary: dict) -> dict:
     """The best head's speedup at batch 1 (one request) and served at 8 and 32 slots (continuous batching), and
     speedup ÷ τ of every drafter at batch 1, from the bench_runtime rows: the model-free run's and the recipe's heads'
     (a TAG variant's rows are listed, not judged)."""
-    variants = {n for n, h in summary["heads"].items() if isinstance(h, dict) and "kind" in h}
-    g, rows = {}, [(src, m, r) for src, m, r in speed_rows(summary) if src.split(" (from ")[0] not in variants]
+    g, rows = {}, list(speed_rows(summary, variants=False))
     for batch, want in SPEED_GOALS.items():
         mode = "static" if batch == 1 else "served"
         name = f"best_head_speedup_{'batch' if batch == 1 else 'served'}{batch}>={want}"
